@@ -1,0 +1,40 @@
+"""flash-attn backend (optional extra `nanoserve[flash]`): paged prefill and decode kernels read
+the page table directly. Needs page_size to be a multiple of 256."""
+
+from __future__ import annotations
+
+import torch
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+from nanoserve.attention.backend import AttentionBackend
+from nanoserve.context import ForwardContext
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+    supports_graphs = True
+
+    def configure(self, num_kv_heads: int, max_len: int) -> None:
+        pass
+
+    def prepare(self, ctx: ForwardContext) -> None:
+        if ctx.is_prefill:
+            kv_lens = [p + q for p, q in zip(ctx.prefix_lens, ctx.query_lens, strict=True)]
+            dev = ctx.slot_mapping.device
+            cu_q = torch.tensor([0, *torch.tensor(ctx.query_lens).cumsum(0).tolist()],
+                                dtype=torch.int32).to(dev, non_blocking=True)
+            cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()],
+                                dtype=torch.int32).to(dev, non_blocking=True)
+            ctx.attn_meta = (cu_q, cu_k, max(ctx.query_lens), max(kv_lens))
+
+    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
+        cu_q, cu_k, max_q, max_k = ctx.attn_meta
+        return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, max_q, max_k,
+                                      softmax_scale=layer.scale, causal=True,
+                                      block_table=ctx.page_tables)
+
+    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
+        o = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache,
+                                    cache_seqlens=ctx.context_lens, block_table=ctx.page_tables,
+                                    softmax_scale=layer.scale, causal=True)
+        return o.squeeze(1)

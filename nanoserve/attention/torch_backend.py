@@ -1,0 +1,27 @@
+"""Pure-torch attention: runs anywhere (the CPU engine in CI), the reference for the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.attention.backend import AttentionBackend, gather_kv, sdpa_prefill
+from nanoserve.context import ForwardContext
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
+        return sdpa_prefill(q, k, v, layer, ctx)
+
+    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
+        out = torch.empty_like(q)
+        lens = ctx.context_lens.tolist()
+        for i, n in enumerate(lens):
+            ki = gather_kv(layer.k_cache, ctx.page_tables[i], n).transpose(0, 1).unsqueeze(0)
+            vi = gather_kv(layer.v_cache, ctx.page_tables[i], n).transpose(0, 1).unsqueeze(0)
+            qi = q[i:i + 1].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, ki, vi, scale=layer.scale, enable_gqa=True)
+            out[i] = o[0, :, 0]
+        return out

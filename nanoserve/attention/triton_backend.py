@@ -1,0 +1,34 @@
+"""Default CUDA backend: prefill through torch SDPA, decode through the Triton split-KV kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.attention.backend import AttentionBackend, sdpa_prefill
+from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+from nanoserve.context import ForwardContext
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.max_len = 1 << 20
+        self.num_kv_heads = 8
+
+    def configure(self, num_kv_heads: int, max_len: int) -> None:
+        self.num_kv_heads, self.max_len = num_kv_heads, max_len
+
+    def prepare(self, ctx: ForwardContext) -> None:
+        if not ctx.is_prefill:
+            bs = ctx.context_lens.shape[0]
+            ctx.attn_meta = num_splits_for(bs, self.num_kv_heads, self.max_len, self.num_sms)
+
+    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
+        return sdpa_prefill(q, k, v, layer, ctx)
+
+    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
+        return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,
+                                      ctx.context_lens, layer.scale, ctx.attn_meta)

@@ -1,0 +1,147 @@
+"""Split-KV (flash-decoding) paged attention for decode, in Triton.
+
+Stage 1: program (sequence b, kv head h, split s) reads its share of b's KV tiles once and
+computes attention for all query heads of h's GQA group at once (one tl.dot per tile), writing
+an unnormalized-free partial output and its log-sum-exp. Stage 2 merges the splits. The split
+count depends only on the batch size, so a captured graph stays valid for any context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, ContextLens, MidO, MidLse, scale,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_pt,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx_len = tl.load(ContextLens + b)
+    num_tiles = tl.cdiv(ctx_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = s * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pt
+    for t in range(tile_lo, tile_hi):
+        tok = t * BLOCK_N + offs_n
+        n_mask = tok < ctx_len
+        page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = tok % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    has_work = tile_hi > tile_lo
+    safe_l = tl.where(l_sum > 0, l_sum, 1.0)
+    out = tl.where(has_work, acc / safe_l[:, None], 0.0)
+    lse = tl.where(has_work, m + tl.log(safe_l), float("-inf"))
+    tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos
+             + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    MidO, MidLse, Out,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    safe_m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - safe_m)
+    w_sum = tl.sum(w, 0)
+    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=d_mask)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Enough programs for ~4 waves over the SMs, never more splits than tiles at max_len."""
+    want = triton.cdiv(4 * num_sms, batch * num_kv_heads)
+    return max(1, min(want, 128, triton.cdiv(max_len, BLOCK_N)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [batch, heads, d]; caches: [pages, page_size, kv_heads, d]; page_tables: [batch, n]
+    int32; context_lens: [batch] int32 (>= 1 for every row). Returns [batch, heads, d]."""
+    batch, heads, d = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(d)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, page_tables, context_lens, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    _merge_splits_kernel[(batch, heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
+    return out

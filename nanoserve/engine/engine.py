@@ -1,0 +1,95 @@
+"""The engine loop: admit requests, schedule a step, run it, advance the sequences."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sequence import Sequence
+from nanoserve.kv.pages import PageAllocator
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.loader import load_model, resolve_model_dir
+from nanoserve.sampling_params import SamplingParams
+
+log = logging.getLogger("nanoserve")
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
+    if not any(model_dir.glob("tokenizer*")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, progress: bool = True) -> None:
+        self.cfg = cfg
+        self.model_dir = resolve_model_dir(cfg.model, cfg.dummy_weights)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        max_pos = self.model_config.max_position_embeddings
+        if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        self.max_model_len = cfg.max_model_len or max_pos
+        self.tokenizer = load_tokenizer(self.model_dir)
+        model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
+                           cfg.torch_device, cfg.dummy_weights, cfg.seed, progress)
+        self.runner = ModelRunner(cfg, model, self.max_model_len, progress)
+        self.allocator = PageAllocator(self.runner.num_pages)
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        detok = None
+        if self.tokenizer is not None:
+            def detok(ids):
+                return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.max_model_len, eos, detok)
+        self.sequences: dict[int, Sequence] = {}
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_dir} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Raises ValueError for a request that cannot run; nothing else is affected."""
+        seq = Sequence(self.tokenize(prompt), params)
+        self.scheduler.add(seq)
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One scheduled step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        finished = self.scheduler.finished_in_schedule
+        self.scheduler.finished_in_schedule = []
+        if batch is not None:
+            tokens = self.runner.run(batch)
+            finished += self.scheduler.postprocess(batch, tokens)
+        for seq in finished:
+            self.sequences.pop(seq.seq_id, None)
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+        self.sequences.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def decode_text(self, seq: Sequence) -> str:
+        if seq.output_text or self.tokenizer is None:
+            return seq.output_text
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)

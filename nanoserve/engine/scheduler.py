@@ -1,0 +1,173 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+A step is either a prefill step (chunks of waiting prompts under a token budget) or a decode step
+(one token for every running sequence). Prefill goes first, so new requests join the running
+batch at the next decode step. When decode runs out of pages the newest running sequence is
+preempted: its pages are freed and its tokens are recomputed later (prompt + output so far).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.engine.sequence import Sequence, Status
+from nanoserve.kv.pages import PageAllocator, pages_needed
+
+
+@dataclass
+class Batch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens fed per sequence (1 for decode)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = (), detokenize=None) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.detokenize = detokenize  # token ids -> text, for stop strings
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.finished_in_schedule: list[Sequence] = []
+
+    def check_admissible(self, num_prompt_tokens: int) -> None:
+        """Raises ValueError for a prompt that can never run (the request is refused alone)."""
+        if num_prompt_tokens == 0:
+            raise ValueError("empty prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room for output")
+        need = pages_needed(num_prompt_tokens + 1, self.page_size)
+        if need > self.allocator.capacity:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
+                f"{self.page_size} tokens; the KV budget holds {self.allocator.capacity}")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq.num_tokens)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.max_num_batched_tokens
+        seqs, counts = [], []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
+                break
+            chunk = min(seq.num_tokens - seq.num_cached, budget)
+            room = (len(seq.pages) + self.allocator.num_free) * self.page_size - seq.num_cached
+            chunk = min(chunk, room)
+            if chunk <= 0:
+                break
+            extra = pages_needed(seq.num_cached + chunk, self.page_size) - len(seq.pages)
+            seq.pages += self.allocator.allocate(max(extra, 0))
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+            if seq.num_cached + chunk < seq.num_tokens:
+                break  # a partial chunk: this prompt continues next step, nothing behind it now
+        return Batch(True, seqs, counts) if seqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        batch = []
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            need = pages_needed(seq.num_tokens, self.page_size) - len(seq.pages)
+            while need > self.allocator.num_free and seq.status == Status.RUNNING:
+                if not self._release_pages_for(seq):
+                    # alone and still out of pages: its context outgrew the whole KV budget
+                    self._finish(seq, "length")
+                    self.finished_in_schedule.append(seq)
+            if seq.status != Status.RUNNING:
+                continue
+            seq.pages += self.allocator.allocate(need)
+            batch.append(seq)
+        return Batch(False, batch, [1] * len(batch)) if batch else None
+
+    def _release_pages_for(self, seq: Sequence) -> bool:
+        """Frees pages for a decoding `seq`: first from partly prefilled prompts, then by
+        preempting the newest running sequence (possibly `seq` itself). False if impossible."""
+        for other in reversed(self.waiting):
+            if other.pages:
+                self.allocator.free(other.pages)
+                other.pages, other.num_cached = [], 0
+                return True
+        if len(self.running) > 1:
+            self._preempt(self.running[-1])
+            return True
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages, seq.num_cached = [], 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: Batch, tokens: list[int | None]) -> list[Sequence]:
+        """Advance each sequence by what the step computed; returns those that finished."""
+        finished = []
+        now = time.perf_counter()
+        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+            seq.num_cached += n
+            if tok is None:
+                continue  # a prompt chunk that did not reach the prompt's end
+            if seq.status == Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.detokenize is not None:
+            seq.output_text = self.detokenize(seq.output_token_ids)
+            for s in p.stop:
+                i = seq.output_text.find(s)
+                if i >= 0:
+                    seq.output_text = seq.output_text[:i]
+                    return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self._finish(seq, "abort")

@@ -1,0 +1,60 @@
+"""A request as the scheduler sees it: its tokens, its KV pages, and how far its KV is computed."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"  # prompt (or recompute after preemption) not fully prefilled
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id = next(_ids)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        # Invariant: KV of token_ids[:num_cached] is in this sequence's pages.
+        self.num_cached = 0
+        self.finish_reason: str | None = None
+        self.output_text = ""
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, cached={self.num_cached}, "
+                f"pages={len(self.pages)}, {self.status.value})")

@@ -1,0 +1,126 @@
+"""One decoder for Qwen3 (q/k RMSNorm), Qwen2/2.5 (qkv bias) and Llama 3 (llama3 RoPE scaling).
+
+Module names follow the Hugging Face checkpoints, except the fused `qkv_proj` and `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class Attention(nn.Module):
+    """The attention op over the paged KV cache. Its KV source (`k_cache`, `v_cache`) is bound by
+    the engine: the resident page pool, or a ring slot on the offloaded path."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # [num_pages, page_size, kv_heads, head_dim]
+        self.backend = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # a list: shared, and not registered as a submodule
+        self.attn = Attention(layer_id, cfg.num_heads, cfg.num_kv_heads, d)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d = self.attn.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(-1, self.attn.num_heads, d), k.view(-1, self.attn.num_kv_heads, d), \
+            v.view(-1, self.attn.num_kv_heads, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LayerHooks(Protocol):
+    """Called around each layer by the forward loop (the offload subsystem's two entry points)."""
+
+    def before_layer(self, layer_id: int) -> None: ...
+
+    def after_layer(self, layer_id: int) -> None: ...
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg, max_len)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hooks: LayerHooks | None = None) -> torch.Tensor:
+        """Final-norm hidden states of every input token."""
+        h = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            if hooks is not None:
+                hooks.before_layer(i)
+            h = layer(positions, h)
+            if hooks is not None:
+                hooks.after_layer(i)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,84 @@
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, fused projections."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32, weight applied in the input dtype: as transformers does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint tensors stacked (qkv, gate_up).
+
+    `shard_sizes` gives the rows of each shard, in order; the loader copies shard i into place.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def shard_slice(self, shard: int) -> slice:
+        start = sum(self.shard_sizes[:shard])
+        return slice(start, start + self.shard_sizes[shard])
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a cos/sin table computed in fp32 up to max_len."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling, self.max_len = head_dim, theta, scaling, max_len
+        self.register_buffer("cos_sin", torch.empty(max_len, head_dim), persistent=False)
+
+    @torch.no_grad()
+    def build(self) -> None:
+        """Fill the table; called after the module is materialized off the meta device."""
+        dev = self.cos_sin.device
+        exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=dev).float()
+        inv_freq = 1.0 / (self.theta ** (exps / self.head_dim))
+        if self.scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+        t = torch.arange(self.max_len, device=dev, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

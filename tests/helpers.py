@@ -1,0 +1,27 @@
+"""Test-only helpers that reach into the engine to get all-position logits."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.context import set_context
+from nanoserve.kv.pages import pages_needed
+
+
+@torch.inference_mode()
+def engine_prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one prompt, prefilled in a single step."""
+    runner = llm.engine.runner
+    alloc = llm.engine.allocator
+    pages = alloc.allocate(pages_needed(len(token_ids), runner.page_size))
+    try:
+        ctx = runner._prefill_context([pages], [0], [len(token_ids)], len(token_ids))
+        set_context(ctx)
+        runner.backend.prepare(ctx)
+        dev = runner.device
+        hidden = runner.model(torch.tensor(token_ids, device=dev),
+                              torch.arange(len(token_ids), device=dev))
+        return runner.model.compute_logits(hidden).cpu()
+    finally:
+        set_context(None)
+        alloc.free(pages)
