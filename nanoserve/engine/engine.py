@@ -33,8 +33,11 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         max_pos = self.model_config.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_pos}")
+            if not cfg.dummy_weights:
+                raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings {max_pos}")
+            log.warning("max_model_len %d > max_position_embeddings %d: allowed with dummy "
+                        "weights, for benchmarking the shape", cfg.max_model_len, max_pos)
         self.max_model_len = cfg.max_model_len or max_pos
         self.tokenizer = load_tokenizer(self.model_dir)
         model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
@@ -90,6 +93,6 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def decode_text(self, seq: Sequence) -> str:
-        if seq.output_text or self.tokenizer is None:
-            return seq.output_text
+        if seq.output_text is not None or self.tokenizer is None:
+            return seq.output_text or ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)

@@ -147,11 +147,11 @@ class Scheduler:
         if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.detokenize is not None:
-            seq.output_text = self.detokenize(seq.output_token_ids)
+            text = self.detokenize(seq.output_token_ids)
             for s in p.stop:
-                i = seq.output_text.find(s)
+                i = text.find(s)
                 if i >= 0:
-                    seq.output_text = seq.output_text[:i]
+                    seq.output_text = text[:i]
                     return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -30,7 +30,7 @@ class Sequence:
         # Invariant: KV of token_ids[:num_cached] is in this sequence's pages.
         self.num_cached = 0
         self.finish_reason: str | None = None
-        self.output_text = ""
+        self.output_text: str | None = None  # set when a stop string cut the text
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
