@@ -27,6 +27,12 @@ class LLM:
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model or "", **kwargs), progress)
 
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, progress: bool = True) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(cfg, progress)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

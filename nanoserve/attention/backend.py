@@ -24,15 +24,18 @@ class AttentionBackend(ABC):
 
     def configure(self, num_kv_heads: int, max_len: int) -> None:
         """Model facts the backend sizes its metadata by; called once by the model runner."""
+        return None
 
     def prepare(self, ctx: ForwardContext) -> None:
         """Backend metadata for an eager step (stored in ctx.attn_meta)."""
+        return None
 
     def prepare_capture(self, ctx: ForwardContext, bs: int) -> None:
         self.prepare(ctx)
 
     def prepare_replay(self, ctx: ForwardContext, bs: int) -> None:
         """Default: backends whose metadata is only the context's own fixed tensors."""
+        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
         """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]. Writes k, v into the cache first."""

@@ -92,6 +92,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def describe_memory(self) -> str:
+        r = self.runner
+        tokens = (r.num_pages - 1) * r.page_size
+        return (f"KV cache: {r.num_pages - 1} pages of {r.page_size} tokens = {tokens:,} tokens, "
+                f"{(r.num_pages - 1) * r.page_bytes / 2**30:.2f} GiB on {r.device}")
+
     def decode_text(self, seq: Sequence) -> str:
         if seq.output_text is not None or self.tokenizer is None:
             return seq.output_text or ""

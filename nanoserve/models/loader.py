@@ -109,7 +109,8 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
     expected = _expected_keys(model)
     missing = sorted(expected - filled)
     if missing:
-        raise KeyError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise KeyError(
+            f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
 def _target(name: str) -> tuple[str, int | None]:

@@ -1,0 +1,151 @@
+"""`nanoserve` command line: `nanoserve generate ...`."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from nanoserve.config import EngineConfig
+from nanoserve.sampling_params import SamplingParams
+
+
+def engine_options(f):
+    """Options shared by every command that builds an engine."""
+    opts = [
+        click.option("--model", default=None,
+                     help="Local model dir, Hugging Face hub id, or a shipped config name with "
+                          "--dummy-weights (Qwen3-8B, Qwen3-4B, Llama-3.1-8B, Qwen2.5-7B). "
+                          "Default: the embedded tiny model."),
+        click.option("--dummy-weights", is_flag=True,
+                     help="Random weights built on the device from the config alone."),
+        click.option("--dtype", default="auto", show_default=True,
+                     help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32."),
+        click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Longest prompt + output, in tokens. Default: the model's maximum."),
+        click.option("--gpu-kv-budget", type=float, default=None,
+                     help="GiB of device memory for the KV cache (emulates a smaller GPU). "
+                          "Default: free memory x --gpu-memory-utilization after a warm-up."),
+        click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True),
+        click.option("--page-size", type=int, default=256, show_default=True,
+                     help="Tokens per KV page."),
+        click.option("--max-num-seqs", type=int, default=64, show_default=True,
+                     help="Most sequences in one batch."),
+        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+                     help="Prefill tokens per step (the chunk size of chunked prefill)."),
+        click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off."),
+        click.option("--attention-backend", default="auto", show_default=True,
+                     type=click.Choice(["auto", "flash", "triton", "torch"])),
+        click.option("--enable-offload", is_flag=True,
+                     help="Keep KV of layers that do not fit the GPU budget in pinned host "
+                          "memory and stream it through GPU ring buffers."),
+        click.option("--host-kv-budget", type=float, default=None,
+                     help="GiB of pinned host memory for offloaded KV (default: from free RAM)."),
+        click.option("--num-kv-buffers", type=int, default=2, show_default=True,
+                     help="GPU ring-buffer slots for streamed layers (prefetch depth + 1)."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of dummy weights and synthetic prompts."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_config(kw: dict) -> EngineConfig:
+    return EngineConfig(
+        model=kw["model"] or "", dummy_weights=kw["dummy_weights"], dtype=kw["dtype"],
+        device=kw["device"], max_model_len=kw["max_model_len"],
+        gpu_kv_budget_gib=kw["gpu_kv_budget"],
+        gpu_memory_utilization=kw["gpu_memory_utilization"], page_size=kw["page_size"],
+        max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
+        enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
+        enable_offload=kw["enable_offload"], host_kv_budget_gib=kw["host_kv_budget"],
+        num_kv_buffers=kw["num_kv_buffers"], seed=kw["seed"])
+
+
+@click.group()
+def main() -> None:
+    """nanoserve: a long-context LLM inference engine."""
+
+
+@main.command()
+@engine_options
+@click.option("--prompt", default=None, help="Prompt text (needs a model with a tokenizer).")
+@click.option("--input-len", type=int, default=None,
+              help="Use a synthetic prompt of exactly this many tokens instead of --prompt.")
+@click.option("--output-len", type=int, default=64, show_default=True,
+              help="Tokens to generate per request.")
+@click.option("--batch-size", type=int, default=1, show_default=True,
+              help="Requests to run together.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--ignore-eos/--stop-at-eos", default=None,
+              help="Default: ignore EOS with --input-len (fixed-length benchmark runs).")
+def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_p, ignore_eos,
+             **kw) -> None:
+    """Generate from one prompt (or a batch of synthetic prompts) and report timings."""
+    import torch
+
+    from nanoserve.llm import LLM
+
+    try:
+        cfg = build_config(kw)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                max_tokens=output_len, seed=kw["seed"],
+                                ignore_eos=input_len is not None if ignore_eos is None
+                                else ignore_eos)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if batch_size < 1:
+        raise click.UsageError("--batch-size must be >= 1")
+    try:
+        llm = LLM.from_config(cfg)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    engine = llm.engine
+    if input_len is not None:
+        vocab = engine.model_config.vocab_size
+        if engine.tokenizer is not None:
+            vocab = min(vocab, len(engine.tokenizer))
+        g = torch.Generator().manual_seed(kw["seed"])
+        prompts = [torch.randint(0, vocab, (input_len,), generator=g).tolist()
+                   for _ in range(batch_size)]
+    else:
+        prompts = [prompt or "The capital of France is"] * batch_size
+    click.echo(f"model: {engine.model_dir} ({engine.model_config.architecture}, "
+               f"{engine.model_config.num_layers} layers), device {cfg.torch_device}, "
+               f"{cfg.torch_dtype}, attention {engine.runner.backend.name}, "
+               f"graphs {'on' if engine.runner.graphs else 'off'}")
+    click.echo(engine.describe_memory())
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    failed = [o for o in outputs if o.error]
+    for o in failed:
+        click.echo(f"error: {o.error}", err=True)
+    done = [o for o in outputs if not o.error]
+    if not done:
+        sys.exit(1)
+    click.echo("-" * 80)
+    text = done[0].text if engine.tokenizer is not None else str(done[0].token_ids)
+    click.echo(text)
+    click.echo("-" * 80)
+    n_in = sum(len(o.prompt_token_ids) for o in done)
+    n_out = sum(len(o.token_ids) for o in done)
+    ttft = max(o.ttft_s for o in done)
+    tpots = [o.tpot_s for o in done if o.tpot_s is not None]
+    tpot = sum(tpots) / len(tpots) if tpots else float("nan")
+    decode_s = wall - ttft
+    click.echo(f"requests {len(done)}  prompt tokens {n_in}  output tokens {n_out}")
+    click.echo(f"TTFT {ttft * 1e3:.1f} ms  prefill {n_in / ttft:,.0f} tok/s")
+    click.echo(f"TPOT {tpot * 1e3:.2f} ms  decode {(n_out - len(done)) / decode_s:,.1f} tok/s")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
