@@ -25,19 +25,29 @@ def gpu_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bf16_logits_match_transformers(gpu_model, backend):
-    hf, path = gpu_model
-    hf = hf.to("cuda", torch.bfloat16)
+def test_bf16_logits_as_close_to_fp32_as_transformers_bf16(gpu_model, backend):
+    """Bound: our bf16 error against an fp32 reference is within 1.5x of transformers' own bf16
+    error against it (both run the same weights), and the argmax agrees where the fp32 one is
+    confident."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = gpu_model
+    ids = random_prompts(1, [700], vocab=2048)[0]
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():  # fresh loads: .to(bf16) on a loaded model also rounds RoPE buffers
+        ref32, hf16 = (AutoModelForCausalLM.from_pretrained(path, dtype=dt).to("cuda")(x)
+                       .logits[0].float().cpu() for dt in (torch.float32, torch.bfloat16))
     llm = LLM(str(path), progress=False, page_size=16, attention_backend=backend,
               enforce_eager=True)
-    ids = random_prompts(1, [700], vocab=2048)[0]
     ours = engine_prefill_logits(llm, ids).float()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
-    rel = ((ours - ref).norm() / ref.norm()).item()
-    assert rel < 2e-2, rel
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree > 0.97, agree
+
+    def rel(a):
+        return ((a - ref32).norm() / ref32.norm()).item()
+
+    assert rel(ours) < 1.5 * rel(hf16) + 1e-3, (rel(ours), rel(hf16))
+    top2 = ref32.topk(2, dim=-1).values
+    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert (ours.argmax(-1) == ref32.argmax(-1))[confident].all()
 
 
 def test_graph_replay_equals_eager_for_every_captured_batch_size(gpu_model):

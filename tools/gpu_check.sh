@@ -4,18 +4,18 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 what=${*:-all}
 run() { echo "=== $*"; "$@"; echo "=== rc=$?"; }
 for w in $what; do
   case $w in
-    tests|all) run python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
+    tests|all) run python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
   esac
   case $w in
     gen|all)
-      run nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_resident.log" ;;
+      run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_resident.log" ;;
   esac
   case $w in
     bench|all) [ -f bench_offload.py ] && run python3 bench_offload.py --dummy-weights --input-len 16384 --output-len 64 --bench-all --out "$OUT" 2>&1 | tail -40 ;;

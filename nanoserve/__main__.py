@@ -1,0 +1,3 @@
+from nanoserve.cli import main
+
+main()
