@@ -24,15 +24,16 @@ def engine_options(f):
                      help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32."),
         click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto."),
         click.option("--max-model-len", type=int, default=None,
-                     help="Longest prompt + output, in tokens. Default: the model's maximum."),
+                     help="Longest prompt + output, in tokens [default: the model's maximum; "
+                          "generate --input-len: input + output length]."),
         click.option("--gpu-kv-budget", type=float, default=None,
                      help="GiB of device memory for the KV cache (emulates a smaller GPU). "
                           "Default: free memory x --gpu-memory-utilization after a warm-up."),
         click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True),
         click.option("--page-size", type=int, default=256, show_default=True,
                      help="Tokens per KV page."),
-        click.option("--max-num-seqs", type=int, default=64, show_default=True,
-                     help="Most sequences in one batch."),
+        click.option("--max-num-seqs", type=int, default=None,
+                     help="Most sequences in one batch [default: 64; generate: --batch-size]."),
         click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
                      help="Prefill tokens per step (the chunk size of chunked prefill)."),
         click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off."),
@@ -45,6 +46,9 @@ def engine_options(f):
                      help="GiB of pinned host memory for offloaded KV (default: from free RAM)."),
         click.option("--num-kv-buffers", type=int, default=2, show_default=True,
                      help="GPU ring-buffer slots for streamed layers (prefetch depth + 1)."),
+        click.option("--resident-layers", type=int, default=None,
+                     help="With --enable-offload: force this many layers resident (the rest "
+                          "stream) instead of as many as the GPU budget holds."),
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed of dummy weights and synthetic prompts."),
     ]
@@ -59,10 +63,11 @@ def build_config(kw: dict) -> EngineConfig:
         device=kw["device"], max_model_len=kw["max_model_len"],
         gpu_kv_budget_gib=kw["gpu_kv_budget"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], page_size=kw["page_size"],
-        max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
+        max_num_seqs=kw["max_num_seqs"] or 64, max_num_batched_tokens=kw["max_num_batched_tokens"],
         enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
         enable_offload=kw["enable_offload"], host_kv_budget_gib=kw["host_kv_budget"],
-        num_kv_buffers=kw["num_kv_buffers"], seed=kw["seed"])
+        num_kv_buffers=kw["num_kv_buffers"], resident_layers=kw["resident_layers"],
+        seed=kw["seed"])
 
 
 @click.group()
@@ -92,6 +97,9 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
 
     from nanoserve.llm import LLM
 
+    if input_len is not None:  # size the engine to the workload
+        kw["max_model_len"] = kw["max_model_len"] or input_len + output_len
+        kw["max_num_seqs"] = kw["max_num_seqs"] or batch_size
     try:
         cfg = build_config(kw)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,

@@ -32,6 +32,7 @@ class EngineConfig:
     enable_offload: bool = False
     host_kv_budget_gib: float | None = None
     num_kv_buffers: int = 2
+    resident_layers: int | None = None  # force the offload split (default: as many as fit)
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -49,6 +50,8 @@ class EngineConfig:
         check(self.host_kv_budget_gib is None or self.host_kv_budget_gib > 0,
               "host_kv_budget_gib must be > 0")
         check(self.num_kv_buffers >= 2, "num_kv_buffers must be >= 2 (one loading, one computing)")
+        check(self.resident_layers is None or self.resident_layers >= 0,
+              "resident_layers must be >= 0")
         check(self.max_graph_batch_size >= 1, "max_graph_batch_size must be >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}")

@@ -21,7 +21,7 @@ def test_generate_rejects_bad_sampling_parameter():
 
 
 def test_generate_reports_prompt_over_max_model_len():
-    r = CliRunner().invoke(main, ["generate", "--input-len", "64", "--max-model-len", "32"])
+    r = CliRunner().invoke(main, ["generate", "--prompt", "x" * 64, "--max-model-len", "32"])
     assert r.exit_code == 1 and "max_model_len is 32" in r.output
 
 
@@ -36,3 +36,11 @@ def test_help_documents_every_option():
                 "--temperature", "--top-k", "--top-p", "--seed", "--enforce-eager",
                 "--dummy-weights", "--gpu-kv-budget", "--max-model-len", "--enable-offload"):
         assert opt in r.output
+
+
+def test_generate_with_offload_prints_the_split():
+    r = CliRunner().invoke(main, ["generate", "--input-len", "300", "--output-len", "4",
+                                  "--page-size", "16", "--enable-offload", "--resident-layers",
+                                  "1", "--host-kv-budget", "0.01"])
+    assert r.exit_code == 0, r.output
+    assert "1 of 2 layers resident, 1 streamed" in r.output

@@ -54,6 +54,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.max_model_len, eos, detok)
         self.sequences: dict[int, Sequence] = {}
+        r = self.runner
+        if r.offload is not None:
+            self.scheduler.on_release = r.offload.release
+        if cfg.enable_offload:
+            self.scheduler.capacity_note = (
+                f"the GPU KV budget ({r.gpu_budget_bytes / 2**30:.2f} GiB) with the host KV "
+                f"budget ({r.host_budget_bytes / 2**30:.2f} GiB)")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -95,8 +102,15 @@ class LLMEngine:
     def describe_memory(self) -> str:
         r = self.runner
         tokens = (r.num_pages - 1) * r.page_size
-        return (f"KV cache: {r.num_pages - 1} pages of {r.page_size} tokens = {tokens:,} tokens, "
-                f"{(r.num_pages - 1) * r.page_bytes / 2**30:.2f} GiB on {r.device}")
+        text = (f"KV cache: {r.num_pages - 1} pages of {r.page_size} tokens = {tokens:,} tokens; "
+                f"{r.plan.describe()}")
+        if r.offload is not None:
+            text += (f"\n  host store {r.offload.streamer.host.nbytes / 2**30:.2f} GiB pinned "
+                     f"(budget {r.host_budget_bytes / 2**30:.1f} GiB), GPU ring "
+                     f"{r.offload.streamer.num_slots} slots + tails "
+                     f"{r.offload.streamer.gpu_bytes / 2**30:.2f} GiB, resident pool "
+                     f"{r.kv.data.numel() * r.kv.data.element_size() / 2**30:.2f} GiB")
+        return text
 
     def decode_text(self, seq: Sequence) -> str:
         if seq.output_text is not None or self.tokenizer is None:

@@ -8,12 +8,24 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig
 from nanoserve.context import ForwardContext, set_context
 from nanoserve.engine.graph_runner import DecodeGraphRunner
+from nanoserve.engine.offload_hooks import OffloadHooks
 from nanoserve.engine.sampler import sample
 from nanoserve.engine.scheduler import Batch
 from nanoserve.kv.pages import DUMMY_PAGE, KVCache, bytes_per_page, pages_needed
 from nanoserve.models.decoder import CausalLM
+from offload import ResidencyPlan, plan_residency
 
 GiB = 1 << 30
+
+
+def default_host_budget_gib() -> float:
+    """Half of the RAM available now (Linux), else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        return kib * 1024 / GiB / 2
+    except (OSError, StopIteration):
+        return 8.0
 
 
 class ModelRunner:
@@ -34,31 +46,52 @@ class ModelRunner:
 
         self.page_bytes = bytes_per_page(self.mcfg.num_layers, cfg.page_size,
                                          self.mcfg.num_kv_heads, self.mcfg.head_dim, self.dtype)
-        self.num_pages = self._num_pages()
-        self.kv = KVCache(self.mcfg.num_layers, self.num_pages, cfg.page_size,
+        self.gpu_budget_bytes = self._gpu_budget_bytes()
+        self.host_budget_bytes = 0
+        self.plan = self._plan()
+        self.num_pages = self.plan.num_pages
+        self.kv = KVCache(self.plan.resident_layers, self.num_pages, cfg.page_size,
                           self.mcfg.num_kv_heads, self.mcfg.head_dim, self.dtype, self.device)
+        self.offload: OffloadHooks | None = None
+        if self.plan.offloading:
+            self.offload = OffloadHooks.build(self.plan, self.mcfg, cfg.page_size,
+                                              cfg.max_num_seqs, cfg.num_kv_buffers, self.dtype,
+                                              self.device)
+            self.offload.bind(model.attention_layers)
         self.bind_resident_kv()
         self.graphs: DecodeGraphRunner | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs:
+        if (self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs
+                and self.offload is None):
             self.graphs = DecodeGraphRunner(model, self.backend, cfg.max_graph_batch_size,
                                             self.max_pages_per_seq, cfg.page_size, self.device,
                                             progress)
 
     def bind_resident_kv(self) -> None:
-        for i, attn in enumerate(self.model.attention_layers):
+        for i, attn in enumerate(self.model.attention_layers[:self.kv.data.shape[0]]):
             attn.k_cache, attn.v_cache = self.kv.k(i), self.kv.v(i)
 
     # --- sizing -------------------------------------------------------------------------------
-    def _num_pages(self) -> int:
-        # more pages than every sequence at full length can use are never needed
-        useful = self.cfg.max_num_seqs * self.max_pages_per_seq + 1
+    def _gpu_budget_bytes(self) -> int:
         if self.cfg.gpu_kv_budget_gib is not None:
-            budget = int(self.cfg.gpu_kv_budget_gib * GiB)
-        elif self.device.type == "cuda":
-            budget = self._profile_free_bytes()
-        else:
-            budget = GiB  # CPU: enough for tests and the embedded model
-        return max(2, min(useful, budget // self.page_bytes))
+            return int(self.cfg.gpu_kv_budget_gib * GiB)
+        if self.device.type == "cuda":
+            return self._profile_free_bytes()
+        return GiB  # CPU: enough for tests and the embedded model
+
+    def _plan(self) -> ResidencyPlan:
+        layers = self.mcfg.num_layers
+        layer_page_bytes = self.page_bytes // layers
+        # more pages than every sequence at full length can use are never needed
+        wanted = self.cfg.max_num_seqs * self.max_pages_per_seq + 1
+        if not self.cfg.enable_offload:
+            pages = max(2, min(wanted, self.gpu_budget_bytes // self.page_bytes))
+            return ResidencyPlan(layers, layers, pages, layer_page_bytes)
+        self.host_budget_bytes = int((self.cfg.host_kv_budget_gib or default_host_budget_gib())
+                                     * GiB)
+        tail_bytes = (self.cfg.max_num_seqs + 1) * layer_page_bytes
+        return plan_residency(layers, layer_page_bytes, wanted, self.gpu_budget_bytes,
+                              self.host_budget_bytes, self.cfg.num_kv_buffers, tail_bytes,
+                              self.cfg.resident_layers)
 
     def _profile_free_bytes(self) -> int:
         """KV bytes left after the model and a prefill of the largest chunk (its activations)."""
@@ -135,8 +168,8 @@ class ModelRunner:
         dev = self.device
         set_context(ctx)
         self.backend.prepare(ctx)
-        hidden = self.model(self._tensor(ids).to(dev, non_blocking=True),
-                            self._tensor(pos).to(dev, non_blocking=True))
+        hidden = self._forward(batch, self._tensor(ids).to(dev, non_blocking=True),
+                               self._tensor(pos).to(dev, non_blocking=True))
         set_context(None)
         rows = self._tensor(last_rows).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows))
@@ -164,6 +197,14 @@ class ModelRunner:
         ctx = ForwardContext(False, slots, table, context_lens=lens)
         set_context(ctx)
         self.backend.prepare(ctx)
-        hidden = self.model(ids, pos)
+        hidden = self._forward(batch, ids, pos)
         set_context(None)
         return self.model.compute_logits(hidden)
+
+    def _forward(self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.offload is None:
+            return self.model(ids, pos)
+        self.offload.begin_step(batch)
+        hidden = self.model(ids, pos, hooks=self.offload)
+        self.offload.end_step()
+        return hidden

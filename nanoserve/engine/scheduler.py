@@ -38,6 +38,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.finished_in_schedule: list[Sequence] = []
+        self.on_release = None  # called with a sequence whose pages were just freed
+        self.capacity_note = "the KV budget"
 
     def check_admissible(self, num_prompt_tokens: int) -> None:
         """Raises ValueError for a prompt that can never run (the request is refused alone)."""
@@ -50,7 +52,7 @@ class Scheduler:
         if need > self.allocator.capacity:
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
-                f"{self.page_size} tokens; the KV budget holds {self.allocator.capacity}")
+                f"{self.page_size} tokens; {self.capacity_note} holds {self.allocator.capacity}")
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_tokens)
@@ -104,17 +106,23 @@ class Scheduler:
         preempting the newest running sequence (possibly `seq` itself). False if impossible."""
         for other in reversed(self.waiting):
             if other.pages:
-                self.allocator.free(other.pages)
-                other.pages, other.num_cached = [], 0
+                self._free_pages(other)
+                other.num_cached = 0
                 return True
         if len(self.running) > 1:
             self._preempt(self.running[-1])
             return True
         return False
 
+    def _free_pages(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        if self.on_release is not None:
+            self.on_release(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
+        self._free_pages(seq)
         seq.pages, seq.num_cached = [], 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -162,8 +170,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self._free_pages(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()

@@ -1,0 +1,146 @@
+"""Moves streamed layers' KV between the host store and the GPU ring, on a copy stream.
+
+Ring: `num_slots` GPU slots, each [2, num_pages, page_size, kv_heads, head_dim], mirroring the
+whole page-id range so that page tables need no remapping. Streamed layer j always uses slot
+j % num_slots (so a captured per-layer graph has fixed addresses).
+
+Tails: each running sequence's last, partly filled page of every streamed layer lives on the GPU
+(`tails[j, :, row]`), written by decode steps; it goes to the host in one copy per layer when the
+page fills. Row `max_seqs` is a dummy for padded graph rows.
+
+Ordering invariants (all through events, no host synchronization):
+- A slot is overwritten by a load only after the compute that read it finished (compute_done).
+- Compute reads a slot only after its load finished (load_done).
+- Device->host copies of a slot are issued on the copy stream after compute_done, so the next
+  load into that slot (same stream, later) cannot overtake them, and a later load of those host
+  pages (same stream) sees them complete.
+- A tail flush is enqueued before the next step's loads; compute waits on those loads before it
+  rewrites the tail, so the tail is never overwritten while it is being flushed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.host_store import HostKVStore
+
+
+@dataclass
+class StepPlan:
+    """What one step moves. Pages are page ids; rows are tail rows."""
+
+    load_runs: list[tuple[int, int]] = field(default_factory=list)  # host -> slot, every layer
+    store_runs: list[tuple[int, int]] = field(default_factory=list)  # slot -> host (prefill)
+    tail_pages: torch.Tensor | None = None  # on device: decode tail page per sequence
+    tail_rows: torch.Tensor | None = None  # on device
+    init_pages: torch.Tensor | None = None  # on device: prefill-completed sequences' last page
+    init_rows: torch.Tensor | None = None
+    flush_pages: list[int] = field(default_factory=list)  # tails that fill in this step
+    flush_rows: list[int] = field(default_factory=list)
+
+
+class LayerStreamer:
+    def __init__(self, host: HostKVStore, num_slots: int, max_seqs: int, device: torch.device):
+        d = host.data
+        self.host = host
+        self.num_streamed = host.num_layers
+        self.num_slots = min(num_slots, max(1, self.num_streamed))
+        self.device = device
+        self.slots = torch.zeros((self.num_slots, *d.shape[1:]), dtype=d.dtype, device=device)
+        tail_shape = (self.num_streamed, 2, max_seqs + 1, *d.shape[3:])
+        self.tails = torch.zeros(tail_shape, dtype=d.dtype, device=device)
+        self.dummy_row = max_seqs
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.load_done = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self.compute_done = [torch.cuda.Event() for _ in range(self.num_slots)]
+        self.plan = StepPlan()
+        self.bytes_loaded = 0  # host->device bytes of the last step
+
+    @property
+    def gpu_bytes(self) -> int:
+        return (self.slots.numel() + self.tails.numel()) * self.slots.element_size()
+
+    def slot_kv(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.slots[j % self.num_slots]
+        return slot[0], slot[1]
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+
+    def begin_step(self, plan: StepPlan) -> None:
+        self.plan = plan
+        page_bytes = self.slots[0, 0, 0].numel() * self.slots.element_size() * 2
+        self.bytes_loaded = self.num_streamed * page_bytes * sum(b - a for a, b in plan.load_runs)
+        for j in range(min(self.num_slots, self.num_streamed)):
+            self._load(j)
+
+    def _load(self, j: int) -> None:
+        """Enqueued even with nothing to load: load_done then also covers every earlier
+        device->host copy out of this slot, which the next compute must not overwrite."""
+        s = j % self.num_slots
+        with self._on_copy_stream():
+            if self.cuda:
+                self.copy_stream.wait_event(self.compute_done[s])
+            self.host.load(j, self.plan.load_runs, self.slots[s])
+            if self.cuda:
+                self.load_done[s].record(self.copy_stream)
+
+    def wait_loaded(self, j: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.load_done[j % self.num_slots])
+
+    def tail_in(self, j: int) -> None:
+        """Decode: the sequences' tail pages into the slot (device-to-device)."""
+        p = self.plan
+        if p.tail_pages is not None:
+            slot = self.slots[j % self.num_slots]
+            slot.index_copy_(1, p.tail_pages, self.tails[j].index_select(1, p.tail_rows))
+
+    def tail_out(self, j: int) -> None:
+        """Decode: the tail pages, now holding the new token, back to the tails. Prefill: the
+        last page of each completed prompt becomes that sequence's tail."""
+        p = self.plan
+        slot = self.slots[j % self.num_slots]
+        if p.tail_pages is not None:
+            self.tails[j].index_copy_(1, p.tail_rows, slot.index_select(1, p.tail_pages))
+        if p.init_pages is not None:
+            self.tails[j].index_copy_(1, p.init_rows, slot.index_select(1, p.init_pages))
+
+    def before_layer(self, j: int) -> None:
+        self.wait_loaded(j)
+        self.tail_in(j)
+
+    def after_layer(self, j: int) -> None:
+        self.tail_out(j)
+        self.finish_layer(j)
+
+    def finish_layer(self, j: int) -> None:
+        """Compute on slot j is issued: mark it, send prefill KV home, prefetch layer j+slots."""
+        s = j % self.num_slots
+        if self.cuda:
+            self.compute_done[s].record()
+        if self.plan.store_runs:
+            with self._on_copy_stream():
+                if self.cuda:
+                    self.copy_stream.wait_event(self.compute_done[s])
+                self.host.store(j, self.plan.store_runs, self.slots[s])
+        if j + self.num_slots < self.num_streamed:
+            self._load(j + self.num_slots)
+
+    def end_step(self) -> None:
+        """Tails that filled in this step go to their host pages (one copy per layer each)."""
+        p = self.plan
+        if not p.flush_pages:
+            return
+        rows = torch.tensor(p.flush_rows, device=self.device)
+        compute = torch.cuda.current_stream() if self.cuda else None
+        with self._on_copy_stream():
+            if self.cuda:
+                self.copy_stream.wait_stream(compute)
+            for j in range(self.num_streamed):
+                self.host.store_pages(j, p.flush_pages, self.tails[j].index_select(1, rows))

@@ -1,0 +1,113 @@
+"""Offload on the CPU (CPU memory stands in for both tiers; copies are synchronous):
+streamed layers give exactly the tokens of resident ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hf_model, random_prompts
+
+from nanoserve import LLM, SamplingParams
+from offload import coalesce_runs, plan_residency
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def six_layer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-6l")
+    make_hf_model("qwen3", path, num_hidden_layers=6)
+    return path
+
+
+def make_llm(path, **kw):
+    return LLM(str(path), progress=False, device="cpu", dtype="float32", page_size=4,
+               max_num_batched_tokens=7, max_num_seqs=8, max_model_len=256, **kw)
+
+
+def run(llm, prompts):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("resident, slots", [(0, 2), (2, 2), (5, 2), (1, 3)])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_offload_gives_the_same_tokens_as_resident(six_layer_dir, resident, slots, batch):
+    # prompts end mid-page and mid-chunk; 30 new tokens cross several page boundaries
+    prompts = random_prompts(batch, [19, 6, 33, 12], seed=batch)
+    ref = run(make_llm(six_layer_dir), prompts)
+    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=resident,
+                   num_kv_buffers=slots, host_kv_budget_gib=0.01)
+    runner = llm.engine.runner
+    assert runner.plan.resident_layers == resident
+    assert runner.offload.streamer.num_slots == min(slots, 6 - resident)
+    assert run(llm, prompts) == ref
+    alloc = llm.engine.allocator
+    assert alloc.num_free == alloc.capacity  # every host (and GPU) page returned
+    hooks = runner.offload
+    assert not hooks.rows and len(hooks.free_rows) == 8  # every tail row returned
+
+
+def test_offload_with_preemption_gives_the_same_tokens(six_layer_dir):
+    prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
+    ref = run(make_llm(six_layer_dir), prompts)
+    # 40 pages of 4 tokens for 4 sequences of ~50 tokens: decode must preempt
+    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=2, num_kv_buffers=2,
+                   host_kv_budget_gib=4 * 41 * 2 * 4 * 2 * 16 * 4 / 2**30)
+    assert llm.engine.allocator.capacity == 40
+    assert run(llm, prompts) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.allocator.num_free == 40
+
+
+def test_streamed_kv_is_what_attention_reads(six_layer_dir):
+    """Corrupting one streamed layer's host KV after prefill changes the tokens: the equality
+    tests above really compare data that went through the host store."""
+    prompt = random_prompts(1, [30], seed=9)[0]
+    clean = make_llm(six_layer_dir, enable_offload=True, resident_layers=3)
+    ref = run(clean, [prompt])[0]
+    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=3)
+    engine = llm.engine
+    seq = engine.add_request(prompt, GREEDY)
+    while seq.num_output_tokens == 0:
+        engine.step()
+    host = engine.runner.offload.streamer.host
+    full_pages = seq.pages[:seq.num_cached // 4]
+    host.data[1, :, full_pages] = torch.randn_like(host.data[1, :, full_pages])
+    while not seq.is_finished:
+        engine.step()
+    assert seq.output_token_ids[0] == ref[0]  # sampled before the corruption
+    assert seq.output_token_ids != ref
+
+
+def test_offload_with_room_for_everything_streams_nothing(six_layer_dir):
+    llm = make_llm(six_layer_dir, enable_offload=True, host_kv_budget_gib=0.01)
+    assert llm.engine.runner.plan.resident_layers == 6
+    assert llm.engine.runner.offload is None
+
+
+def test_request_larger_than_both_budgets_is_refused_naming_them(six_layer_dir):
+    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=2,
+                   host_kv_budget_gib=4 * 11 * 2 * 4 * 2 * 16 * 4 / 2**30)
+    outs = llm.generate(random_prompts(2, [60, 10]), GREEDY)
+    assert "GPU KV budget" in outs[0].error and "host KV budget" in outs[0].error
+    assert outs[1].error is None and outs[1].token_ids == run(make_llm(six_layer_dir),
+                                                             [random_prompts(2, [60, 10])[1]])[0]
+
+
+def test_coalesce_runs_merges_consecutive_pages():
+    assert coalesce_runs([3, 4, 5, 9, 10, 2]) == [(3, 6), (9, 11), (2, 3)]
+    assert coalesce_runs([]) == []
+
+
+def test_plan_keeps_as_many_layers_resident_as_fit():
+    mib = 1 << 20
+    # 36 layers, 1 MiB per page per layer, 129 pages wanted, 1 GiB GPU, big host
+    plan = plan_residency(36, mib, 129, 1024 * mib, 64 * 1024 * mib, 2, 2 * mib)
+    assert (plan.resident_layers + 2) * 129 * mib + plan.streamed_layers * 2 * mib <= 1024 * mib
+    assert (plan.resident_layers + 3) * 129 * mib + (plan.streamed_layers - 1) * 2 * mib > \
+        1024 * mib
+    assert plan.num_pages == 129 and plan.resident_layers == 5
+    everything = plan_residency(36, mib, 129, 36 * 129 * mib, 0, 2, 2 * mib)
+    assert everything.resident_layers == 36 and not everything.offloading
+    with pytest.raises(ValueError, match="KV budgets too small"):
+        plan_residency(36, mib, 129, 2 * mib, 64 * 1024 * mib, 2, 2 * mib)
