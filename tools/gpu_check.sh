@@ -15,7 +15,10 @@ for w in $what; do
   esac
   case $w in
     gen|all)
-      run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_resident.log" ;;
+      G="python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128"
+      run $G 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_resident.log"
+      run $G --enable-offload --resident-layers 0 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_offload_all.log"
+      run $G --enable-offload --gpu-kv-budget 2.5 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_offload_mixed.log" ;;
   esac
   case $w in
     bench|all) [ -f bench_offload.py ] && run python3 bench_offload.py --dummy-weights --input-len 16384 --output-len 64 --bench-all --out "$OUT" 2>&1 | tail -40 ;;
