@@ -30,31 +30,38 @@ def llm_for(path, **kw):
                max_num_batched_tokens=512, **kw)
 
 
+@pytest.mark.parametrize("eager", [True, False])
 @pytest.mark.parametrize("resident", [0, 3])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_offload_tokens_and_logits_equal_resident(model_dir, resident, batch):
+def test_offload_tokens_equal_resident(model_dir, resident, batch, eager):
     prompts = random_prompts(batch, [1500, 37, 800, 260], vocab=2048, seed=batch)
     ref_llm = llm_for(model_dir, enforce_eager=True)
     ref = [o.token_ids for o in ref_llm.generate(prompts, GREEDY)]
     graphs = [o.token_ids for o in llm_for(model_dir).generate(prompts, GREEDY)]
-    off = llm_for(model_dir, enable_offload=True, resident_layers=resident, enforce_eager=True,
+    off = llm_for(model_dir, enable_offload=True, resident_layers=resident, enforce_eager=eager,
                   host_kv_budget_gib=1)
     assert off.engine.runner.plan.streamed_layers == 6 - resident
+    assert (off.engine.runner.graphs is None) == eager
     assert [o.token_ids for o in off.generate(prompts, GREEDY)] == ref == graphs
     assert off.engine.allocator.num_free == off.engine.allocator.capacity
 
 
-def test_offload_decode_logits_are_bitwise_equal_to_resident(model_dir):
-    """Same kernels read the same numbers: the decode step's logits match exactly."""
+@pytest.mark.parametrize("eager", [True, False])
+def test_offload_decode_logits_are_bitwise_equal_to_resident(model_dir, eager):
+    """Same kernels read the same numbers: the decode step's logits match exactly, eager
+    against eager, and per-layer graphs against the whole-model graph."""
     prompts = random_prompts(3, [700, 129, 33], vocab=2048, seed=7)
     logits = []
     for kw in (dict(), dict(enable_offload=True, resident_layers=2, host_kv_budget_gib=1)):
-        llm = llm_for(model_dir, enforce_eager=True, **kw)
+        llm = llm_for(model_dir, enforce_eager=eager, **kw)
         runner = llm.engine.runner
         captured = []
         original = runner._run_decode
-        runner._run_decode = lambda batch, f=original: captured.append(f(batch).clone()) or \
-            captured[-1]
+        def recording(batch, f=original, out=captured):
+            out.append(f(batch).clone())
+            return out[-1]
+
+        runner._run_decode = recording
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         logits.append(torch.stack(captured))
     assert torch.equal(logits[0], logits[1])

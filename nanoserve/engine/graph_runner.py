@@ -42,13 +42,16 @@ class DecodeGraphRunner:
             backend.prepare_capture(ctx, bs)
             set_context(ctx)
             self._forward(bs)  # warm-up: autotuning and lazy init happen outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            pool = graph.pool()
+            graph, pool = self._capture(bs, pool)
             self.graphs[bs] = (graph, ctx)
             set_context(None)
         torch.cuda.synchronize()
+
+    def _capture(self, bs: int, pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._forward(bs)
+        return graph, graph.pool()
 
     def _forward(self, bs: int) -> None:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
@@ -73,3 +76,94 @@ class DecodeGraphRunner:
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
+
+
+class OffloadDecodeGraphRunner(DecodeGraphRunner):
+    """Decode graphs when some layers stream: per batch size, one graph for the embedding and
+    the resident layers, one per streamed layer (its tail swap-in, forward, swap-out, with its
+    ring slot bound at fixed addresses), one for the final norm and logits. Between replays the
+    host only orders streams through events: wait for layer j's load, replay, mark compute done
+    and start the next prefetch. Nothing synchronizes the host."""
+
+    def __init__(self, model, backend, hooks, max_bs: int, max_pages: int, page_size: int,
+                 device: torch.device, progress: bool = True) -> None:
+        self.hooks = hooks
+        self.streamer = hooks.streamer
+        self.first_streamed = hooks.first_streamed
+        self.tail_pages = torch.full((capture_sizes(max_bs)[-1],), DUMMY_PAGE, dtype=torch.int64,
+                                     device=device)
+        self.tail_rows = torch.full_like(self.tail_pages, self.streamer.dummy_row)
+        self.hidden = torch.zeros(capture_sizes(max_bs)[-1], model.config.hidden_size,
+                                  dtype=next(model.parameters()).dtype, device=device)
+        super().__init__(model, backend, max_bs, max_pages, page_size, device, progress)
+
+    def _segments(self, bs: int):
+        """The step as a list of graph-capturable pieces: head, each streamed layer, tail."""
+        layers = self.model.model.layers
+        pos, h = self.positions[:bs], self.hidden[:bs]
+
+        def head():
+            x = self.model.model.embed_tokens(self.input_ids[:bs])
+            for layer in layers[:self.first_streamed]:
+                x = layer(pos, x)
+            h.copy_(x)
+
+        def streamed(j):
+            def run():
+                self.streamer.tail_in(j)
+                h.copy_(layers[self.first_streamed + j](pos, h))
+                self.streamer.tail_out(j)
+            return run
+
+        def tail():
+            self.logits[:bs].copy_(self.model.compute_logits(self.model.model.norm(h)))
+
+        return [head] + [streamed(j) for j in range(self.streamer.num_streamed)] + [tail]
+
+    def _forward(self, bs: int) -> None:  # warm-up, eager
+        self._bind_static_plan(bs)
+        for seg in self._segments(bs):
+            seg()
+
+    def _bind_static_plan(self, bs: int) -> None:
+        from offload.streamer import StepPlan
+
+        self.streamer.plan = StepPlan(tail_pages=self.tail_pages[:bs],
+                                      tail_rows=self.tail_rows[:bs])
+
+    def _capture(self, bs: int, pool):
+        self._bind_static_plan(bs)
+        graphs = []
+        for seg in self._segments(bs):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                seg()
+            pool = g.pool()
+            graphs.append(g)
+        return graphs, pool
+
+    def run_offloaded(self, inputs, plan) -> torch.Tensor:
+        """inputs: pinned, padded (ids, pos, slots, lens, table); plan: the step's StepPlan."""
+        ids, pos, slots, lens, table = inputs
+        bs = ids.shape[0]
+        graphs, ctx = self.graphs[bs]
+        n = plan.tail_pages.shape[0]
+        self.tail_pages[:n].copy_(plan.tail_pages, non_blocking=True)
+        self.tail_rows[:n].copy_(plan.tail_rows, non_blocking=True)
+        self.tail_pages[n:bs].fill_(DUMMY_PAGE)
+        self.tail_rows[n:bs].fill_(self.streamer.dummy_row)
+        self.input_ids[:bs].copy_(ids, non_blocking=True)
+        self.positions[:bs].copy_(pos, non_blocking=True)
+        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
+        self.context_lens[:bs].copy_(lens, non_blocking=True)
+        self.page_tables[:bs, :table.shape[1]].copy_(table, non_blocking=True)
+        self.backend.prepare_replay(ctx, bs)
+        self.streamer.begin_step(plan)
+        graphs[0].replay()
+        for j, g in enumerate(graphs[1:-1]):
+            self.streamer.wait_loaded(j)
+            g.replay()
+            self.streamer.finish_layer(j)
+        graphs[-1].replay()
+        self.streamer.end_step()
+        return self.logits[:bs]

@@ -7,7 +7,7 @@ import torch
 from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig
 from nanoserve.context import ForwardContext, set_context
-from nanoserve.engine.graph_runner import DecodeGraphRunner
+from nanoserve.engine.graph_runner import DecodeGraphRunner, OffloadDecodeGraphRunner
 from nanoserve.engine.offload_hooks import OffloadHooks
 from nanoserve.engine.sampler import sample
 from nanoserve.engine.scheduler import Batch
@@ -60,11 +60,15 @@ class ModelRunner:
             self.offload.bind(model.attention_layers)
         self.bind_resident_kv()
         self.graphs: DecodeGraphRunner | None = None
-        if (self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs
-                and self.offload is None):
-            self.graphs = DecodeGraphRunner(model, self.backend, cfg.max_graph_batch_size,
-                                            self.max_pages_per_seq, cfg.page_size, self.device,
-                                            progress)
+        if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs:
+            max_bs = min(cfg.max_graph_batch_size, cfg.max_num_seqs)
+            args = (self.backend, max_bs, self.max_pages_per_seq, cfg.page_size, self.device,
+                    progress)
+            if self.offload is None:
+                self.graphs = DecodeGraphRunner(model, *args)
+            else:
+                self.graphs = OffloadDecodeGraphRunner(model, self.backend, self.offload,
+                                                       *args[1:])
 
     def bind_resident_kv(self) -> None:
         for i, attn in enumerate(self.model.attention_layers[:self.kv.data.shape[0]]):
@@ -191,6 +195,9 @@ class ModelRunner:
         n = len(batch.seqs)
         if self.graphs is not None and self.graphs.can_run(n):
             inputs = self._decode_inputs(batch, self.graphs.padded_size(n))
+            if self.offload is not None:
+                plan = self.offload.step_plan(batch)
+                return self.graphs.run_offloaded(inputs, plan)[:n]
             return self.graphs.run(*inputs)[:n]
         ids, pos, slots, lens, table = (t.to(self.device, non_blocking=True)
                                         for t in self._decode_inputs(batch, n))
