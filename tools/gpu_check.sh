@@ -21,6 +21,6 @@ for w in $what; do
       run $G --enable-offload --gpu-kv-budget 2.5 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_offload_mixed.log" ;;
   esac
   case $w in
-    bench|all) [ -f bench_offload.py ] && run python3 bench_offload.py --dummy-weights --input-len 16384 --output-len 64 --bench-all --out "$OUT" 2>&1 | tail -40 ;;
+    bench|all) run python3 bench_offload.py --input-len 16384,32768 --output-len 64 --bench-all --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -30 ;;
   esac
 done

@@ -1,0 +1,255 @@
+"""Offload benchmark: every engine mode on the same model and weights, against this machine's
+measured ceilings (PCIe host->device, device memory, bf16 matmul), in one run.
+
+    python bench_offload.py --input-len 16384 --bench-all
+    python bench_offload.py --model Qwen3-8B --input-len 4096,16384,32768 --batch-size 1,4
+
+Reports per mode: TTFT, prefill tok/s, TPOT median/p90 (decode steps only), decode tok/s, peak
+GPU memory, host->device bytes per decode step, layers resident/streamed, and the ratio of each
+figure to its floor. Writes bench.json and bench.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.loader import resolve_model_dir
+
+MODES = {
+    "resident-eager": dict(enforce_eager=True),
+    "resident-graph": dict(),
+    "offload-eager": dict(enable_offload=True, enforce_eager=True),
+    "offload-graph": dict(enable_offload=True),
+}
+
+
+# --- ceilings -------------------------------------------------------------------------------
+def _time_ms(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    h2d = n / _time_ms(lambda: dev.copy_(host, non_blocking=True)) / 1e6
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    hbm = 2 * big.numel() / _time_ms(lambda: big2.copy_(big)) / 1e6
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    tflops = 2 * 8192**3 / _time_ms(lambda: a @ b) / 1e9
+    return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops}
+
+
+# --- floors ---------------------------------------------------------------------------------
+def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
+    emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    linear = 2 * (cfg.num_params() - emb) * tokens
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
+    return batch * (linear + attn)
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    emb = cfg.vocab_size * cfg.hidden_size  # the input embedding is gathered, not read whole
+    return (cfg.num_params() - emb) * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
+
+
+# --- one run ---------------------------------------------------------------------------------
+def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil: dict) -> dict:
+    kw = dict(MODES[mode])
+    if kw.get("enable_offload"):
+        kw["resident_layers"] = args.resident_layers
+        if args.gpu_kv_budget is not None:
+            kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
+    elif args.gpu_kv_budget is not None and args.force_budget_resident:
+        kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
+              max_model_len=input_len + args.output_len, max_num_seqs=batch, **kw)
+    engine, runner = llm.engine, llm.engine.runner
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    seqs = [engine.add_request(torch.randint(0, cfg.vocab_size, (input_len,), generator=g)
+                               .tolist(), params) for _ in range(batch)]
+    t0 = time.perf_counter()
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    ttft = time.perf_counter() - t0
+    steps, streamed = [], []
+    while engine.has_unfinished():
+        a = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - a)
+        if runner.offload is not None:
+            streamed.append(runner.offload.streamer.bytes_loaded)
+    plan = runner.plan
+    dtype_bytes = runner.dtype.itemsize
+    ctx = input_len + args.output_len // 2
+    kv_read = batch * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    resident_bytes = weight_bytes(cfg, dtype_bytes) + kv_read * plan.resident_layers
+    bytes_step = statistics.median(streamed) if streamed else 0
+    tpot = statistics.median(steps)
+    row = {
+        "mode": mode, "input_len": input_len, "batch": batch,
+        "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
+        "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
+        "tpot_ms_median": tpot * 1e3,
+        "tpot_ms_p90": statistics.quantiles(steps, n=10)[-1] * 1e3 if len(steps) > 1 else
+        tpot * 1e3,
+        "decode_tok_s": batch / tpot,
+        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30,
+        "h2d_bytes_per_step": bytes_step,
+        "pcie_floor_ms": bytes_step / ceil["h2d_GBps"] / 1e6,
+        "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
+        "prefill_floor_s": prefill_flops(cfg, input_len, batch) / ceil["bf16_TFLOPs"] / 1e12,
+    }
+    floor = max(row["pcie_floor_ms"], row["hbm_floor_ms"])
+    row["tpot_over_floor"] = row["tpot_ms_median"] / floor
+    row["ttft_over_floor"] = ttft / row["prefill_floor_s"]
+    del llm, engine, runner
+    gc.collect()
+    return row
+
+
+def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    kv = batch * (input_len + args.output_len) * cfg.kv_bytes_per_token(2)
+    weights = cfg.num_params() * 2
+    return weights + kv < 0.9 * free
+
+
+def print_table(rows: list[dict], ceil: dict) -> None:
+    print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
+          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
+    head = (f"{'mode':<15}{'ctx':>7}{'bs':>4}{'res/str':>9}{'TTFT s':>8}{'xFLOP':>7}"
+            f"{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
+            f"{'dec t/s':>9}{'H2D GB':>8}{'peak GiB':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r.get("skipped"):
+            print(f"{r['mode']:<15}{r['input_len']:>7}{r['batch']:>4}  {r['skipped']}")
+            continue
+        floor = max(r["pcie_floor_ms"], r["hbm_floor_ms"])
+        print(f"{r['mode']:<15}{r['input_len']:>7}{r['batch']:>4}"
+              f"{r['resident_layers']:>5}/{r['streamed_layers']:<3}{r['ttft_s']:>8.2f}"
+              f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
+              f"{r['tpot_ms_median']:>9.2f}{r['tpot_ms_p90']:>8.2f}{floor:>8.2f}"
+              f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}"
+              f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r['peak_gpu_GiB']:>9.1f}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ok = [r for r in rows if not r.get("skipped") and r["batch"] == rows[0]["batch"]]
+    for mode in MODES:
+        pts = sorted((r["input_len"], r["tpot_ms_median"]) for r in ok if r["mode"] == mode)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+    for key, style, label in (("pcie_floor_ms", "k--", "PCIe floor (offload)"),
+                              ("hbm_floor_ms", "k:", "HBM floor (resident)")):
+        mode = "offload-graph" if key == "pcie_floor_ms" else "resident-graph"
+        pts = sorted((r["input_len"], r[key]) for r in ok if r["mode"] == mode)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title(f"TPOT vs context, batch {ok[0]['batch'] if ok else '?'}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="Qwen3-8B",
+                    help="model dir, hub id or shipped config (default: Qwen3-8B, dummy weights)")
+    ap.add_argument("--dummy-weights", action="store_true",
+                    help="random weights (implied for shipped configs)")
+    ap.add_argument("--input-len", default="16384", help="comma-separated context lengths")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--bench-all", action="store_true", help="run every mode")
+    for mode in MODES:
+        ap.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
+    ap.add_argument("--resident-layers", type=int, default=0,
+                    help="offload modes: layers kept resident (default 0: every layer streams)")
+    ap.add_argument("--gpu-kv-budget", type=float, default=None,
+                    help="offload modes: GPU KV budget in GiB (with --resident-layers unset "
+                         "by -1, the split follows the budget)")
+    ap.add_argument("--force-budget-resident", action="store_true",
+                    help="apply --gpu-kv-budget to resident modes too")
+    ap.add_argument("--out", default="docs/bench", help="folder for bench.json and bench.png")
+    args = ap.parse_args()
+    if args.resident_layers < 0:
+        args.resident_layers = None
+    model_dir = resolve_model_dir(args.model, dummy_weights=True)
+    if "model_configs" in str(model_dir):
+        args.dummy_weights = True
+    cfg = ModelConfig.from_dir(model_dir)
+    modes = [m for m in MODES if args.bench_all or getattr(args, m.replace("-", "_"))]
+    modes = modes or ["resident-graph", "offload-graph"]
+    lens = [int(x) for x in args.input_len.split(",")]
+    batches = [int(x) for x in args.batch_size.split(",")]
+    ceil = measure_ceilings()
+    torch.cuda.empty_cache()
+    rows = []
+    combos = [(m, n, b) for n in lens for b in batches for m in modes]
+    for mode, n, b in tqdm(combos, desc="bench"):
+        if mode.startswith("resident") and not fits(args, cfg, n, b):
+            rows.append({"mode": mode, "input_len": n, "batch": b,
+                         "skipped": "KV does not fit the GPU: resident cannot run"})
+            continue
+        try:
+            rows.append(run_mode(args, mode, n, b, cfg, ceil))
+        except (ValueError, torch.cuda.OutOfMemoryError) as e:
+            rows.append({"mode": mode, "input_len": n, "batch": b, "skipped": str(e)[:80]})
+            gc.collect()
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    (out / "bench.json").write_text(json.dumps(
+        {"machine": machine, "model": args.model, "ceilings": ceil, "rows": rows}, indent=1))
+    plot(rows, out / "bench.png")
+    print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), output {args.output_len}"
+          f" tokens, {machine['date']}")
+    print_table(rows, ceil)
+
+
+if __name__ == "__main__":
+    main()
