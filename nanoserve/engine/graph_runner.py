@@ -63,16 +63,20 @@ class DecodeGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             context_lens: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
         """Inputs are pinned CPU tensors already padded to a captured size."""
+        bs = self._load_inputs(input_ids, positions, slot_mapping, context_lens, page_tables)
+        self.graphs[bs][0].replay()
+        return self.logits[:bs]
+
+    def _load_inputs(self, input_ids, positions, slot_mapping, context_lens, page_tables) -> int:
+        """Copies a step's inputs into the fixed-address buffers; returns the padded size."""
         bs = input_ids.shape[0]
-        graph, ctx = self.graphs[bs]
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
         self.context_lens[:bs].copy_(context_lens, non_blocking=True)
         self.page_tables[:bs, :page_tables.shape[1]].copy_(page_tables, non_blocking=True)
-        self.backend.prepare_replay(ctx, bs)
-        graph.replay()
-        return self.logits[:bs]
+        self.backend.prepare_replay(self.graphs[bs][1], bs)
+        return bs
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -144,20 +148,13 @@ class OffloadDecodeGraphRunner(DecodeGraphRunner):
 
     def run_offloaded(self, inputs, plan) -> torch.Tensor:
         """inputs: pinned, padded (ids, pos, slots, lens, table); plan: the step's StepPlan."""
-        ids, pos, slots, lens, table = inputs
-        bs = ids.shape[0]
-        graphs, ctx = self.graphs[bs]
+        bs = self._load_inputs(*inputs)
+        graphs = self.graphs[bs][0]
         n = plan.tail_pages.shape[0]
         self.tail_pages[:n].copy_(plan.tail_pages, non_blocking=True)
         self.tail_rows[:n].copy_(plan.tail_rows, non_blocking=True)
         self.tail_pages[n:bs].fill_(DUMMY_PAGE)
         self.tail_rows[n:bs].fill_(self.streamer.dummy_row)
-        self.input_ids[:bs].copy_(ids, non_blocking=True)
-        self.positions[:bs].copy_(pos, non_blocking=True)
-        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
-        self.context_lens[:bs].copy_(lens, non_blocking=True)
-        self.page_tables[:bs, :table.shape[1]].copy_(table, non_blocking=True)
-        self.backend.prepare_replay(ctx, bs)
         self.streamer.begin_step(plan)
         graphs[0].replay()
         for j, g in enumerate(graphs[1:-1]):
