@@ -32,7 +32,7 @@ class ResidencyPlan:
 
     def describe(self) -> str:
         if not self.offloading:
-            return f"all {self.num_layers} layers resident: KV fits the GPU budget, nothing streams"
+            return f"all {self.num_layers} layers resident: KV fits the device, nothing streams"
         full = self.streamed_bytes(self.num_pages - 1) / 1e9
         return (f"{self.resident_layers} of {self.num_layers} layers resident, "
                 f"{self.streamed_layers} streamed, {full:.2f} GB per decode step at full "
