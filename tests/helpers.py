@@ -15,7 +15,7 @@ def engine_prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
     alloc = llm.engine.allocator
     pages = alloc.allocate(pages_needed(len(token_ids), runner.page_size))
     try:
-        ctx = runner._prefill_context([pages], [0], [len(token_ids)], len(token_ids))
+        ctx = runner._prefill_context([pages], [0], [len(token_ids)])
         set_context(ctx)
         runner.backend.prepare(ctx)
         dev = runner.device

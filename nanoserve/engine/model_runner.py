@@ -107,7 +107,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pages = list(range(1, self.kv.num_pages))
-        ctx = self._prefill_context([pages], [0], [n], n)
+        ctx = self._prefill_context([pages], [0], [n])
         set_context(ctx)
         self.backend.prepare(ctx)
         self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device))[-1:])
@@ -134,7 +134,7 @@ class ModelRunner:
         ps = self.page_size
         return [pages[p // ps] * ps + p % ps for p in range(start, start + n)]
 
-    def _prefill_context(self, page_lists, prefix_lens, query_lens, num_tokens) -> ForwardContext:
+    def _prefill_context(self, page_lists, prefix_lens, query_lens) -> ForwardContext:
         slots = []
         for pages, plen, qlen in zip(page_lists, prefix_lens, query_lens, strict=True):
             slots += self._slots(pages, plen, qlen)
@@ -167,8 +167,7 @@ class ModelRunner:
             if s.num_cached + n == s.num_tokens:
                 last_rows.append(len(ids) - 1)
         ctx = self._prefill_context([s.pages for s in batch.seqs],
-                                    [s.num_cached for s in batch.seqs], batch.num_new_tokens,
-                                    len(ids))
+                                    [s.num_cached for s in batch.seqs], batch.num_new_tokens)
         dev = self.device
         set_context(ctx)
         self.backend.prepare(ctx)
