@@ -155,5 +155,42 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     sys.exit(1 if failed else 0)
 
 
+@main.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", default=None,
+              help="Model name clients send [default: --model, or the embedded model's name].")
+@click.option("--default-max-tokens", type=int, default=256, show_default=True,
+              help="Output cap for chat requests that give no max_tokens.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(host, port, served_model_name, default_max_tokens, log_level, **kw) -> None:
+    """OpenAI-compatible HTTP server (completions, chat completions, streaming)."""
+    try:
+        from nanoserve.serve.app import build_app
+        from nanoserve.serve.async_engine import AsyncEngine
+        from nanoserve.serve.server import run_server
+    except ImportError as e:
+        raise click.UsageError(f"serve needs the server extra: pip install 'nanoserve[serve]' "
+                               f"({e})") from e
+    from nanoserve.llm import LLM
+
+    try:
+        cfg = build_config(kw)
+        llm = LLM.from_config(cfg)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    engine = llm.engine
+    name = served_model_name or kw["model"] or engine.model_dir.name
+    click.echo(f"model {engine.model_dir} served as {name!r}, max_model_len "
+               f"{engine.max_model_len}, device {cfg.torch_device}, graphs "
+               f"{'on' if engine.runner.graphs else 'off'}")
+    click.echo(engine.describe_memory())
+    app = build_app(AsyncEngine(engine), name, default_max_tokens)
+    run_server(app, host, port, log_level)
+    click.echo("nanoserve: shut down cleanly")
+
 if __name__ == "__main__":
     main()

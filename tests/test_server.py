@@ -1,0 +1,371 @@
+"""`nanoserve serve` with the real openai client, on the CPU with the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.models.config import ModelConfig  # noqa: E402
+from nanoserve.models.loader import resolve_model_dir  # noqa: E402
+from nanoserve.serve.app import build_app  # noqa: E402
+from nanoserve.serve.async_engine import AsyncEngine  # noqa: E402
+from nanoserve.serve.detokenizer import IncrementalDetokenizer  # noqa: E402
+
+NAME = "tiny-qwen3"
+_MC = ModelConfig.from_dir(resolve_model_dir(""))
+KV_TOKENS = 5120  # fewer than max_model_len: some prompts fit max_model_len but not the KV
+ENGINE = dict(device="cpu", dtype="float32", page_size=16, max_model_len=8192, max_num_seqs=16,
+              gpu_kv_budget_gib=KV_TOKENS * _MC.num_layers * 2 * _MC.num_kv_heads
+              * _MC.head_dim * 4 / 2**30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, app) -> None:
+        port = free_port()
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(progress=False, **ENGINE)
+    ae = AsyncEngine(llm.engine)
+    srv = ServerThread(build_app(ae, NAME))
+    srv.engine = llm.engine
+    yield srv
+    srv.stop()
+    assert not ae.alive
+
+
+@pytest.fixture(scope="module")
+def ref_llm():
+    return LLM(progress=False, **ENGINE)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def greedy(ref_llm, prompt, max_tokens, **kw):
+    return ref_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                   **kw))[0]
+
+
+def chat_ids(ref_llm, content: str) -> list[int]:
+    tok = ref_llm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                   add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r'model="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+PROMPT = "The grass is green and the sky"
+
+
+def test_completion_equals_llm_generate(server, client, ref_llm):
+    ref = greedy(ref_llm, PROMPT, 40)
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 5  # token by token
+
+
+def test_chat_completion_equals_llm_generate(server, client, ref_llm):
+    question = "What is the secret number in the text above?"
+    ref = greedy(ref_llm, chat_ids(ref_llm, question), 48)
+    messages = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=48,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=48,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_cut_streamed_and_plain_text_alike(server, client, ref_llm):
+    ref = greedy(ref_llm, PROMPT, 40).text
+    stop = ref[10:13]
+    assert stop and stop in ref
+    plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0,
+                                      stop=[stop]).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert plain.text == streamed == ref[:ref.find(stop)]
+    assert plain.finish_reason == "stop"
+
+
+def test_seeded_sampling_streams_whole_characters(server, client):
+    # temperature 2 over a byte-level vocabulary emits arbitrary bytes: multi-byte characters
+    # split across tokens, and invalid sequences; the stream must join to the same text
+    kw = dict(model=NAME, prompt="Bytes:", max_tokens=64, temperature=2.0, seed=7,
+              extra_body={"top_k": 0})
+    plain = client.completions.create(**kw).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+    assert "".join(pieces) == plain
+    assert any(ord(ch) > 127 for ch in plain)  # the test really saw non-ASCII output
+
+
+def test_incremental_detokenizer_never_splits_a_character(ref_llm):
+    tok = ref_llm.tokenizer
+    text = "héllo wörld ✓ 日本語 🙂 end"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode())  # byte-level: multi-byte characters span tokens
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_sixteen_concurrent_streams(server, ref_llm):
+    prompts = [" ".join(["grass"] * (3 + 5 * i)) for i in range(16)]
+    max_tokens = [8 + 7 * i for i in range(16)]
+    refs = ref_llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m)
+                                      for m in max_tokens])
+
+    async def one(client, prompt, m):
+        text = ""
+        async for c in await client.completions.create(model=NAME, prompt=prompt, max_tokens=m,
+                                                       temperature=0, stream=True):
+            text += c.choices[0].text
+        return text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(client, p, m)
+                                      for p, m in zip(prompts, max_tokens, strict=True)))
+
+    texts = asyncio.run(main())
+    assert texts == [r.text for r in refs]
+
+
+BAD = [  # (body or raw bytes, status, error param or code)
+    (b'{"model": "tiny-qwen3", "prompt": ', 400, None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
+    ({"prompt": "grass " * 1500, "max_tokens": 4}, 400, "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 8191}, 400, "context_length_exceeded"),
+    ({"prompt": "hi", "temperature": 3.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "grass " * 1000, "max_tokens": 4}, 400, "kv_capacity_exceeded"),
+]
+
+
+def test_bad_requests_get_openai_errors_while_a_good_one_runs(server, client, ref_llm):
+    ref = greedy(ref_llm, PROMPT, 300, ignore_eos=True)
+    result = {}
+
+    def good():
+        chunks = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=300,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        result["text"] = "".join(c.choices[0].text for c in chunks)
+
+    t = threading.Thread(target=good)
+    t.start()
+    url = server.url + "/v1/completions"
+    for body, status, what in BAD:
+        if isinstance(body, bytes):
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        else:
+            r = httpx.post(url, json={"model": NAME, **body} if "model" not in body else body)
+        assert r.status_code == status, (body if isinstance(body, bytes) else
+                                         str(body)[:80], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if what is not None:
+            assert what in (err["param"], err["code"]), err
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      json={"model": NAME, "messages": "hello"})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    t.join(120)
+    assert result["text"] == ref.text  # the good request was not disturbed
+
+
+def test_disconnect_mid_stream_frees_the_request(server):
+    before = metrics(server)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert metrics(server)["nanoserve_requests_running"] == 1
+        assert metrics(server)['nanoserve_kv_pages_used{tier="gpu"}'] > 0
+    deadline = time.time() + 10
+    while True:
+        m = metrics(server)
+        if m["nanoserve_requests_running"] == 0:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.05)
+    assert m['nanoserve_kv_pages_used{tier="gpu"}'] == 0
+    assert m['nanoserve_kv_pages_used{tier="host"}'] == 0
+    aborted = 'nanoserve_requests_finished_total{reason="abort"}'
+    assert m[aborted] == before.get(aborted, 0) + 1
+    assert m["nanoserve_generation_tokens_total"] < before["nanoserve_generation_tokens_total"] \
+        + 3000
+
+
+def test_models_health_metrics(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    m = metrics(server)
+    pages = server.engine.allocator.capacity
+    assert m["nanoserve_kv_pages_total"] == pages == KV_TOKENS // 16 - 1  # page 0: dummy
+    assert m["nanoserve_requests_waiting"] == 0
+    assert m["nanoserve_generation_tokens_total"] > 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_serve_command_shuts_down_cleanly_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve", "serve", "--device", "cpu", "--port", str(port),
+         "--max-model-len", "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "The sky", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        out = proc.stdout.read().decode()
+        assert "Finished server process" in out or "Shutting down" in out, out
+    finally:
+        proc.kill()
+
+
+def test_engine_failure_fails_requests_and_reports_unhealthy():
+    llm = LLM(progress=False, **ENGINE)
+    ae = AsyncEngine(llm.engine)
+
+    def broken(batch):
+        raise RuntimeError("device lost")
+
+    llm.engine.runner.run = broken
+    srv = ServerThread(build_app(ae, NAME))
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+
+
+@pytest.mark.gpu
+def test_64_concurrent_requests_with_offload_match_offload_off():
+    """64 streaming requests through a server whose engine streams half of the layers;
+    texts equal a resident engine's; prints throughput and TTFT percentiles."""
+    common = dict(progress=False, max_model_len=4200, max_num_seqs=64)
+    off = LLM(**common)
+    prompts = [" ".join(["grass"] * (20 + 9 * i)) for i in range(64)]
+    params = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)] * 64
+    refs = [o.text for o in off.generate(prompts, params)]
+    del off
+    torch.cuda.empty_cache()
+    llm = LLM(enable_offload=True, resident_layers=2, **common)
+    assert llm.engine.runner.plan.streamed_layers == 2
+    srv = ServerThread(build_app(AsyncEngine(llm.engine), NAME))
+
+    async def one(client, prompt):
+        t0 = time.perf_counter()
+        ttft, text = None, ""
+        async for c in await client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=64, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}):
+            if ttft is None and c.choices and c.choices[0].text:
+                ttft = time.perf_counter() - t0
+            text += c.choices[0].text if c.choices else ""
+        return text, ttft
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    try:
+        t0 = time.perf_counter()
+        results = asyncio.run(main())
+        wall = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    assert [t for t, _ in results] == refs
+    ttfts = sorted(t for _, t in results)
+    tokens = 64 * 64
+    print(json.dumps({"requests": 64, "output_tokens": tokens, "wall_s": round(wall, 3),
+                      "tokens_per_s": round(tokens / wall, 1),
+                      "ttft_p50_ms": round(ttfts[31] * 1e3, 1),
+                      "ttft_p99_ms": round(ttfts[63] * 1e3, 1)}))
