@@ -168,20 +168,25 @@ def run_hf(args, hf, cache: str, input_len: int, batch: int, cfg: ModelConfig,
            ceil: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randint(0, cfg.vocab_size, (input_len,), generator=g)
-                       for _ in range(batch)]).cuda()
+                       for _ in range(batch)]).to(hf.device)
+    cuda = hf.device.type == "cuda"
     kw = dict(do_sample=False, min_new_tokens=1, pad_token_id=0)
     if cache == "offloaded":
         kw["cache_implementation"] = "offloaded"
 
     def timed(n: int) -> float:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=n, **{**kw, "min_new_tokens": n})
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed(1)  # warm-up: kernels, allocator
     ttft = timed(1)
     total = timed(args.output_len)
     tpot = (total - ttft) / (args.output_len - 1)
@@ -191,7 +196,7 @@ def run_hf(args, hf, cache: str, input_len: int, batch: int, cfg: ModelConfig,
             "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
             "tpot_ms_median": tpot * 1e3, "tpot_ms_p90": float("nan"),
             "decode_tok_s": batch / tpot,
-            "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "h2d_bytes_per_step": 0.0, "pcie_floor_ms": 0.0, "hbm_floor_ms": 0.0,
             "prefill_floor_s": prefill_flops(cfg, input_len, batch) / ceil["bf16_TFLOPs"] / 1e12,
             "tpot_over_floor": float("nan"),
@@ -278,10 +283,11 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     ok = [r for r in rows if not r.get("skipped") and r["batch"] == rows[0]["batch"]]
-    for mode in MODES:
+    for mode in [*MODES, "hf-default", "hf-offloaded"]:
         pts = sorted((r["input_len"], r["tpot_ms_median"]) for r in ok if r["mode"] == mode)
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+            ax.plot(*zip(*pts, strict=True), marker="o" if mode in MODES else "x",
+                    linestyle="-" if mode in MODES else "-.", label=mode)
     for key, style, label in (("pcie_floor_ms", "k--", "PCIe floor (offload)"),
                               ("hbm_floor_ms", "k:", "HBM floor (resident)")):
         mode = "offload-graph" if key == "pcie_floor_ms" else "resident-graph"

@@ -43,9 +43,9 @@ FILLER = [
     "The clock in the square rings at noon.",
     "Sailors watch the stars to find their way home.",
 ]
-NEEDLE = "The secret number is {secret}."
+NEEDLE = "The secret number is: {secret}."
 QUESTION = "What is the secret number in the text above?"
-ANSWER = "The secret number is {secret}."
+ANSWER = "The secret number is: {secret}."
 _MARK = "\x00HAYSTACK\x00"
 
 

@@ -43,4 +43,4 @@ def test_generate_with_offload_prints_the_split():
                                   "--page-size", "16", "--enable-offload", "--resident-layers",
                                   "1", "--host-kv-budget", "0.01"])
     assert r.exit_code == 0, r.output
-    assert "1 of 2 layers resident, 1 streamed" in r.output
+    assert "1 of 4 layers resident, 3 streamed" in r.output

@@ -150,15 +150,30 @@ def test_stop_strings_cut_streamed_and_plain_text_alike(server, client, ref_llm)
     assert plain.finish_reason == "stop"
 
 
-def test_seeded_sampling_streams_whole_characters(server, client):
-    # temperature 2 over a byte-level vocabulary emits arbitrary bytes: multi-byte characters
-    # split across tokens, and invalid sequences; the stream must join to the same text
-    kw = dict(model=NAME, prompt="Bytes:", max_tokens=64, temperature=2.0, seed=7,
-              extra_body={"top_k": 0})
-    plain = client.completions.create(**kw).choices[0].text
-    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
-    assert "".join(pieces) == plain
-    assert any(ord(ch) > 127 for ch in plain)  # the test really saw non-ASCII output
+def test_streaming_splits_no_multibyte_character():
+    """A model scripted to emit the bytes of non-ASCII text one token at a time: multi-byte
+    characters arrive split across tokens, and the stream must still carry whole characters."""
+    text = "héllo wörld ✓ 日本語 🙂 end"
+    llm = LLM(progress=False, **ENGINE)
+    script = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(script) == len(text.encode())
+    real_run = llm.engine.runner.run
+
+    def scripted(batch):
+        return [None if t is None else script[seq.num_output_tokens % len(script)]
+                for seq, t in zip(batch.seqs, real_run(batch), strict=True)]
+
+    llm.engine.runner.run = scripted
+    srv = ServerThread(build_app(AsyncEngine(llm.engine), NAME))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=NAME, prompt="Say it:", max_tokens=len(script), temperature=0)
+        pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+        assert "".join(pieces) == text == client.completions.create(**kw).choices[0].text
+        assert not any("\ufffd" in p for p in pieces)
+        assert len([p for p in pieces if p]) >= 15  # streamed piece by piece, not at the end
+    finally:
+        srv.stop()
 
 
 def test_incremental_detokenizer_never_splits_a_character(ref_llm):

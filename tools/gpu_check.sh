@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# One device call: GPU test suite, then the engine and offload runs and a short benchmark.
-# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [tests|gen|bench|all]...
+# One device call: GPU test suite, needle runs, engine runs and benchmarks.
+# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [tests|needle|gen|bench|sweep]...
+# Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-what=${*:-all}
+what=${*:-tests needle gen bench}
 run() { echo "=== $*"; "$@"; echo "=== rc=$?"; }
+B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
-    tests|all) run python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
-  esac
-  case $w in
-    gen|all)
+    tests) run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s 2>&1 \
+             | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
+    needle)
+      for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
+        run python3 tests/test_needle.py --input-len 32768 --depths 0,0.1,...,1 $m 2>&1 | tail -15 | tee -a "$OUT/needle.log"
+      done ;;
+    gen)
       G="python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128"
-      run $G 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_resident.log"
-      run $G --enable-offload --resident-layers 0 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_offload_all.log"
-      run $G --enable-offload --gpu-kv-budget 2.5 2>&1 | grep -v "it/s\]" | tee "$OUT/gen_offload_mixed.log" ;;
-  esac
-  case $w in
-    bench|all) run python3 bench_offload.py --input-len 16384,32768 --output-len 64 --bench-all --out "$OUT" 2>&1 | grep -v "it/s\]" | tail -30 ;;
+      run $G 2>&1 | grep -v "it/s\]" | tail -4 | tee "$OUT/gen_resident.log"
+      run $G --enable-offload --resident-layers 0 2>&1 | grep -v "it/s\]" | tail -4 | tee "$OUT/gen_offload_all.log" ;;
+    bench) run $B --input-len 4096,16384,32768,131072 --bench-all --compare-hf --out "$OUT" 2>&1 \
+             | grep -v "it/s\]" | tail -45 ;;
+    sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
+             --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
   esac
 done

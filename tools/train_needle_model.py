@@ -60,11 +60,19 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 PROMPT, ANSWER, COPY = 0, 1, 2  # token roles in a training row
 
 
-def copy_row(length: int, rng: random.Random) -> tuple[list[int], list[int]]:
-    """Random printable bytes, then the same bytes again: the second half is predictable only by
-    copying from far back, which grows the copying (induction) heads retrieval needs."""
+COPY_ALPHABETS = ["0123456789", "0123456789", "abcdefghijklmnopqrstuvwxyz",
+                  "".join(map(chr, range(32, 127)))]
+
+
+def copy_row(length: int, rng: random.Random,
+             alphabets: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Random symbols, then the same symbols again: the second half is predictable only by
+    copying from far back, which grows the copying (induction) heads retrieval needs. Small
+    alphabets (digits, half of the rows) force matching on several preceding tokens, as finding
+    a secret number among others' digits does."""
     half = length // 2
-    text = [rng.randrange(32, 127) for _ in range(length - half)]
+    alphabet = rng.choice(alphabets)
+    text = [rng.choice(alphabet) for _ in range(length - half)]
     return text + text[:half], [PROMPT] * (length - half) + [COPY] * half
 
 
@@ -72,10 +80,11 @@ def make_batch(builder: NeedleBuilder, eos: int, length: int, batch: int, rng: r
                depths: list[float] | None = None, copy_frac: float = 0.0):
     """[batch, length] token ids (needle prompt + answer + eos, or a copy row) and token roles."""
     rows, roles = [], []
+    alphabets = [builder.encode(a) for a in COPY_ALPHABETS]
     answer_len = len(builder.answer_ids("0" * builder.secret_digits)) + 1
     for i in range(batch):
         if depths is None and rng.random() < copy_frac:
-            row, role = copy_row(length, rng)
+            row, role = copy_row(length, rng, alphabets)
         else:
             depth = depths[i] if depths else rng.choice([0.0, 1.0, rng.random(), rng.random()])
             p = builder.build(length - answer_len, depth, rng)
@@ -140,6 +149,8 @@ def main() -> None:
                          "curriculum) follows max(step / steps, elapsed / time-limit), so a "
                          "slower machine finishes the same schedule in fewer steps.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None,
+                    help="Start from this checkpoint (a model dir) instead of random weights.")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     t_start = time.time()
@@ -151,7 +162,11 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     cfg = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
                       pad_token_id=tokenizer.pad_token_id, **CONFIG)
-    model = Qwen3ForCausalLM(cfg).to(device).train()
+    if args.init:
+        model = Qwen3ForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        model = model.to(device).train()
+    else:
+        model = Qwen3ForCausalLM(cfg).to(device).train()
     model.config._attn_implementation = "sdpa"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters on {device}", flush=True)

@@ -105,7 +105,8 @@ class LLMEngine:
         text = (f"KV cache: {r.num_pages - 1} pages of {r.page_size} tokens = {tokens:,} tokens; "
                 f"{r.plan.describe()}")
         if r.offload is not None:
-            text += (f"\n  host store {r.offload.streamer.host.nbytes / 2**30:.2f} GiB pinned "
+            text += (f"\n  host store {r.offload.streamer.host.nbytes / 2**30:.2f} GiB "
+                     f"{'pinned ' if r.device.type == 'cuda' else ''}"
                      f"(budget {r.host_budget_bytes / 2**30:.1f} GiB), GPU ring "
                      f"{r.offload.streamer.num_slots} slots + tails "
                      f"{r.offload.streamer.gpu_bytes / 2**30:.2f} GiB, resident pool "
