@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 
@@ -79,7 +80,9 @@ def main() -> None:
 @engine_options
 @click.option("--prompt", default=None, help="Prompt text (needs a model with a tokenizer).")
 @click.option("--input-len", type=int, default=None,
-              help="Use a synthetic prompt of exactly this many tokens instead of --prompt.")
+              help="A synthetic prompt of exactly this many tokens instead of --prompt: a "
+                   "needle-in-a-haystack prompt for a model with a tokenizer and real weights "
+                   "(the answer shows whether it read the context), random tokens otherwise.")
 @click.option("--output-len", type=int, default=64, show_default=True,
               help="Tokens to generate per request.")
 @click.option("--batch-size", type=int, default=1, show_default=True,
@@ -89,7 +92,8 @@ def main() -> None:
 @click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--ignore-eos/--stop-at-eos", default=None,
-              help="Default: ignore EOS with --input-len (fixed-length benchmark runs).")
+              help="Default: ignore EOS with random-token prompts (fixed-length benchmark "
+                   "runs), stop at EOS otherwise.")
 def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_p, ignore_eos,
              **kw) -> None:
     """Generate from one prompt (or a batch of synthetic prompts) and report timings."""
@@ -100,31 +104,44 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     if input_len is not None:  # size the engine to the workload
         kw["max_model_len"] = kw["max_model_len"] or input_len + output_len
         kw["max_num_seqs"] = kw["max_num_seqs"] or batch_size
-    try:
-        cfg = build_config(kw)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                max_tokens=output_len, seed=kw["seed"],
-                                ignore_eos=input_len is not None if ignore_eos is None
-                                else ignore_eos)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
     if batch_size < 1:
         raise click.UsageError("--batch-size must be >= 1")
+    try:
+        cfg = build_config(kw)
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=output_len)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     try:
         llm = LLM.from_config(cfg)
     except (ValueError, FileNotFoundError, KeyError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     engine = llm.engine
-    if input_len is not None:
+    needles = []
+    if input_len is not None and engine.tokenizer is not None and not cfg.dummy_weights:
+        # a model that can read gets a needle prompt: its answer shows it read the context
+        from nanoserve.needle import NeedleBuilder
+
+        builder, rng = NeedleBuilder(engine.tokenizer), random.Random(kw["seed"])
+        try:
+            needles = [builder.build(input_len, (i + 0.5) / batch_size, rng)
+                       for i in range(batch_size)]
+        except ValueError:
+            needles = []  # too short for a needle: random tokens
+        prompts = [n.token_ids for n in needles]
+    if input_len is not None and not needles:
         vocab = engine.model_config.vocab_size
         if engine.tokenizer is not None:
             vocab = min(vocab, len(engine.tokenizer))
         g = torch.Generator().manual_seed(kw["seed"])
         prompts = [torch.randint(0, vocab, (input_len,), generator=g).tolist()
                    for _ in range(batch_size)]
-    else:
+    elif input_len is None:
         prompts = [prompt or "The capital of France is"] * batch_size
+    if ignore_eos is None:  # random-token benchmark prompts run to --output-len
+        ignore_eos = input_len is not None and not needles
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_tokens=output_len, seed=kw["seed"], ignore_eos=ignore_eos)
     click.echo(f"model: {engine.model_dir} ({engine.model_config.architecture}, "
                f"{engine.model_config.num_layers} layers), device {cfg.torch_device}, "
                f"{cfg.torch_dtype}, attention {engine.runner.backend.name}, "
@@ -143,6 +160,10 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     text = done[0].text if engine.tokenizer is not None else str(done[0].token_ids)
     click.echo(text)
     click.echo("-" * 80)
+    if needles:
+        found = sum(n.secret in o.text for n, o in zip(needles, outputs, strict=True))
+        click.echo(f"needle prompts: the secret number was found in {found} of {len(needles)} "
+                   f"answers (request 1: {needles[0].secret} at depth {needles[0].depth:.2f})")
     n_in = sum(len(o.prompt_token_ids) for o in done)
     n_out = sum(len(o.token_ids) for o in done)
     ttft = max(o.ttft_s for o in done)
