@@ -18,7 +18,7 @@ B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
     tests) run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s 2>&1 \
-             | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
+             | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     needle)
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
         run python3 tests/test_needle.py --input-len 32768 --depths 0,0.1,...,1 $m 2>&1 | tail -15 | tee -a "$OUT/needle.log"
