@@ -13,6 +13,12 @@ except ImportError:  # pragma: no cover
 ARCHS = ("qwen3", "qwen2", "llama")
 
 
+# the GPU tests' model shape: 4 query heads per KV head, vocabulary and width for real kernels
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
+                 max_position_embeddings=4096, initializer_range=0.05)
+
+
 def tiny_hf_config(arch: str, **overrides):
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

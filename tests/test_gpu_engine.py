@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_model, random_prompts
+from conftest import GPU_SHAPE, make_hf_model, random_prompts
 from helpers import engine_prefill_logits
 
 from nanoserve import LLM, SamplingParams
@@ -12,9 +12,7 @@ from nanoserve import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
-             max_position_embeddings=4096, initializer_range=0.05)
+SHAPE = GPU_SHAPE
 
 
 @pytest.fixture(scope="module")

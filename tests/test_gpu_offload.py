@@ -6,16 +6,14 @@ import gc
 
 import pytest
 import torch
-from conftest import make_hf_model, random_prompts
+from conftest import GPU_SHAPE, make_hf_model, random_prompts
 
 from nanoserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-             num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
-             max_position_embeddings=8192, initializer_range=0.05)
+SHAPE = dict(GPU_SHAPE, num_hidden_layers=6, max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="module")

@@ -168,10 +168,10 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256) -
                 yield sse(chunk_body(req_id, model_name, req.chat, final[sent:],
                                      FINISH_REASONS[delta.finish_reason]))
                 if req.include_usage:
-                    yield sse({"id": req_id, "object": chunk_body(
-                        req_id, model_name, req.chat, None, None)["object"],
-                        "created": int(time.time()), "model": model_name, "choices": [],
-                        "usage": usage(stream.num_prompt_tokens, num_tokens)})
+                    yield sse({"id": req_id, "object": "chat.completion.chunk" if req.chat
+                               else "text_completion", "created": int(time.time()),
+                               "model": model_name, "choices": [],
+                               "usage": usage(stream.num_prompt_tokens, num_tokens)})
                 break
             yield "data: [DONE]\n\n"
         finally:

@@ -94,7 +94,11 @@ class AsyncEngine:
         admitted = loop.create_future()
         self._inbox.put(("add", token_ids, params, stream, admitted))
         self._wake.set()
-        await admitted
+        try:
+            await admitted
+        except asyncio.CancelledError:  # the client left before admission: do not run it
+            self.abort(stream)
+            raise
         return stream
 
     def abort(self, stream: RequestStream) -> None:
