@@ -1,8 +1,11 @@
 """nanoserve: a long-context LLM inference engine with KV offload to host memory."""
 
 from nanoserve.config import EngineConfig
-from nanoserve.llm import LLM, RequestOutput
+from nanoserve.errors import InvalidParameter
+from nanoserve.llm import LLM
+from nanoserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "InvalidParameter", "RequestOutput",
+           "SamplingParams", "TokenLogprobs"]
 __version__ = "0.1.0"

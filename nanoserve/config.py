@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +46,14 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
-        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
-        check(self.gpu_kv_budget_gib is None or self.gpu_kv_budget_gib >= 0,
-              "gpu_kv_budget_gib must be >= 0")
-        check(self.host_kv_budget_gib is None or self.host_kv_budget_gib > 0,
-              "host_kv_budget_gib must be > 0")
+        check(_finite(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+              "gpu_memory_utilization must be in (0, 1]")
+        check(self.gpu_kv_budget_gib is None or _finite(self.gpu_kv_budget_gib) and
+              self.gpu_kv_budget_gib >= 0,
+              f"gpu_kv_budget_gib must be a finite number >= 0, got {self.gpu_kv_budget_gib}")
+        check(self.host_kv_budget_gib is None or _finite(self.host_kv_budget_gib) and
+              self.host_kv_budget_gib > 0,
+              f"host_kv_budget_gib must be a finite number > 0, got {self.host_kv_budget_gib}")
         check(self.num_kv_buffers >= 2, "num_kv_buffers must be >= 2 (one loading, one computing)")
         check(self.resident_layers is None or self.resident_layers >= 0,
               "resident_layers must be >= 0")
@@ -58,6 +63,16 @@ class EngineConfig:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check(dtype == "auto" or dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        check(isinstance(self.device, str) and self.device in ("auto", "cpu", "cuda") or
+              isinstance(self.device, str) and re.fullmatch(r"cuda:\d+", self.device) is not None,
+              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device.startswith("cuda"):
+            check(torch.cuda.is_available(),
+                  f"device {self.device!r}: this torch build has no usable CUDA "
+                  f"(torch {torch.__version__}); use --device cpu")
+            index = int(self.device.partition(":")[2] or 0)
+            check(index < torch.cuda.device_count(),
+                  f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices")
 
     @property
     def torch_device(self) -> torch.device:
@@ -70,3 +85,7 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
+from nanoserve.errors import InvalidParameter
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # stop | length | abort | error
-    error: str | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None  # mean time per output token after the first
+Prompt = str | list[int]
 
 
 class LLM:
@@ -37,39 +30,80 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every prompt to completion with continuous batching. A prompt that cannot run
-        gets an output with `error` set; the others are unaffected."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        """Runs every prompt to completion with continuous batching; one output per prompt, in
+        order. A prompt or SamplingParams that cannot run gives an output with `error` set and
+        no completions; a completion whose step failed has finish_reason "error". Neither
+        affects the others. Raises ValueError only when the arguments' shapes do not match (no
+        request is queued then); the LLM stays usable either way."""
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"one SamplingParams per prompt ({len(prompts)}), or a single "
+                                 f"one for all; got {len(params)}")
+        else:
+            params = [params] * len(prompts)
         outputs: list[RequestOutput | None] = [None] * len(prompts)
-        seqs: dict[int, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                seqs[self.engine.add_request(prompt, p).seq_id] = i
-            except ValueError as e:
-                outputs[i] = RequestOutput([], [], "", "error", error=str(e))
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for seq in self.engine.step():
-                if seq.seq_id in seqs:
-                    outputs[seqs[seq.seq_id]] = self._output(seq)
+        owner: dict[int, int] = {}  # seq_id -> prompt index
+        seqs: dict[int, list[Sequence]] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                try:
+                    group = self.engine.add_request(prompt, p)
+                except ValueError as e:
+                    outputs[i] = RequestOutput([], error=str(e))
+                    continue
+                seqs[i] = group
+                owner.update((s.seq_id, i) for s in group)
+            bar = tqdm(total=len(owner), desc="Generating", disable=not use_tqdm)
+            left = {i: len(g) for i, g in seqs.items()}
+            while self.engine.has_unfinished():
+                for seq in self.engine.step():
+                    i = owner.get(seq.seq_id)
+                    if i is None:
+                        continue
                     bar.update(1)
-        bar.close()
+                    left[i] -= 1
+                    if left[i] == 0:
+                        outputs[i] = self._output(seqs[i])
+            bar.close()
+        finally:  # an interrupt or a broken device: leave nothing queued behind
+            for group in seqs.values():
+                for seq in group:
+                    if not seq.is_finished:
+                        self.engine.abort(seq)
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, group: list[Sequence]) -> RequestOutput:
+        first = group[0]
         ttft = tpot = None
-        if seq.first_token_time is not None:
-            ttft = seq.first_token_time - seq.arrival_time
-            if seq.num_output_tokens > 1:
-                tpot = (seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1)
-        return RequestOutput(seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                             self.engine.decode_text(seq), seq.finish_reason, ttft_s=ttft,
+        starts = [s.first_token_time for s in group if s.first_token_time is not None]
+        if starts:
+            ttft = min(starts) - first.arrival_time
+            tpots = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+                     for s in group if s.first_token_time is not None and
+                     s.num_output_tokens > 1]
+            tpot = sum(tpots) / len(tpots) if tpots else None
+        outs = [CompletionOutput(s.index, self.engine.decode_text(s), s.output_token_ids,
+                                 s.finish_reason, s.logprobs, s.error) for s in group]
+        return RequestOutput(first.token_ids[:first.num_prompt_tokens], outs, ttft_s=ttft,
                              tpot_s=tpot)
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text or token ids) or a list of them; anything else is one bad prompt each,
+    refused by the engine with a clear message."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise InvalidParameter("prompts", "prompts must be text or token ids, not bytes: "
+                                          "decode them first")
+    if not isinstance(prompts, SequenceABC) or isinstance(prompts, dict):
+        raise InvalidParameter("prompts", f"prompts must be a string, a list of token ids or a "
+                                          f"list of prompts; got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

@@ -69,7 +69,7 @@ def test_graph_logits_equal_eager_logits(gpu_model):
     runner = llm.engine.runner
     for n in runner.graphs.sizes:
         prompts = random_prompts(n, [90, 17, 300], vocab=2048, seed=100 + n)
-        seqs = [llm.engine.add_request(p, GREEDY) for p in prompts]
+        seqs = [llm.engine.add_request(p, GREEDY)[0] for p in prompts]
         while any(s.num_output_tokens == 0 for s in seqs):
             llm.engine.step()
         batch = Batch(False, seqs, [1] * n)

@@ -71,7 +71,7 @@ def test_corrupted_streamed_kv_changes_the_tokens(model_dir):
     llm = llm_for(model_dir, enable_offload=True, resident_layers=3, enforce_eager=True,
                   host_kv_budget_gib=1)
     engine = llm.engine
-    seq = engine.add_request(prompt, GREEDY)
+    (seq,) = engine.add_request(prompt, GREEDY)
     while seq.num_output_tokens == 0:
         engine.step()
     torch.cuda.synchronize()

@@ -57,7 +57,7 @@ def ask(llm: LLM, prompt: NeedlePrompt, max_tokens: int = 32, after_prefill=None
     runs once, after the step that produced the first token."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    seq = engine.add_request(prompt.token_ids, params)
+    (seq,) = engine.add_request(prompt.token_ids, params)
     t0 = time.perf_counter()
     ttft = None
     while not seq.is_finished:

@@ -67,7 +67,7 @@ def test_streamed_kv_is_what_attention_reads(six_layer_dir):
     ref = run(clean, [prompt])[0]
     llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=3)
     engine = llm.engine
-    seq = engine.add_request(prompt, GREEDY)
+    (seq,) = engine.add_request(prompt, GREEDY)
     while seq.num_output_tokens == 0:
         engine.step()
     host = engine.runner.offload.streamer.host

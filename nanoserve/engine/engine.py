@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.pages import PageAllocator
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model, resolve_model_dir
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import InvalidParameter, SamplingParams
 
 log = logging.getLogger("nanoserve")
 
@@ -54,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.max_model_len, eos, detok)
         self.sequences: dict[int, Sequence] = {}
+        self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         r = self.runner
         if r.offload is not None:
             self.scheduler.on_release = r.offload.release
@@ -63,22 +66,53 @@ class LLMEngine:
                 f"budget ({r.host_budget_bytes / 2**30:.2f} GiB)")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or token-id prompt; InvalidParameter("prompt") otherwise."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"model {self.model_dir} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = list(prompt)
+                raise InvalidParameter("prompt", f"model {self.model_dir} has no tokenizer: "
+                                                 "pass token ids")
+            if not prompt:
+                raise InvalidParameter("prompt", "empty prompt")
+            try:
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            except UnicodeEncodeError as e:  # a lone surrogate
+                raise InvalidParameter("prompt", f"prompt is not valid Unicode: {e.reason} "
+                                                 f"at position {e.start}") from e
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        return ids
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in prompt):
+            raise InvalidParameter("prompt", f"a prompt is a string or a list of token ids "
+                                             f"(integers in [0, {vocab})), got "
+                                             f"{type(prompt).__name__}")
+        return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Raises ValueError for a request that cannot run; nothing else is affected."""
-        seq = Sequence(self.tokenize(prompt), params)
-        self.scheduler.add(seq)
-        self.sequences[seq.seq_id] = seq
-        return seq
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameter("sampling_params", f"expected SamplingParams, got "
+                                                      f"{type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidParameter(name, f"{name}: token id {bad[0]} is not in the "
+                                             f"vocabulary [0, {vocab})")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
+        """Queues the request's `params.n` sequences (one per completion, index 0..n-1).
+        Raises ValueError (InvalidParameter naming the field) for a request that cannot run;
+        nothing is queued then and nothing else is affected."""
+        self.check_params(params)
+        ids = self.tokenize(prompt)
+        self.scheduler.check_admissible(len(ids))
+        base = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        seqs = [Sequence(ids, params, i, derive_seed(base, i)) for i in range(params.n)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+            self.sequences[seq.seq_id] = seq
+        return seqs
 
     def step(self) -> list[Sequence]:
         """One scheduled step; returns the sequences that finished in it."""

@@ -9,7 +9,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.context import ForwardContext, set_context
 from nanoserve.engine.graph_runner import DecodeGraphRunner, OffloadDecodeGraphRunner
 from nanoserve.engine.offload_hooks import OffloadHooks
-from nanoserve.engine.sampler import sample
+from nanoserve.engine.sampler import build_sampling_tensors, sample
 from nanoserve.engine.scheduler import Batch
 from nanoserve.kv.pages import DUMMY_PAGE, KVCache, bytes_per_page, pages_needed
 from nanoserve.models.decoder import CausalLM
@@ -154,8 +154,13 @@ class ModelRunner:
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
         logits = self._run_prefill(batch) if batch.is_prefill else self._run_decode(batch)
         seqs = [s for s, e in zip(batch.seqs, ends, strict=True) if e]
-        tokens = iter(sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-                      if seqs else [])
+        if not seqs:
+            return [None] * len(ends)
+        out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
+                                                    self.pin))
+        tokens = iter(out.token_ids)
+        logprobs = iter(out.logprobs or [None] * len(seqs))
+        batch.logprobs = [next(logprobs) if e else None for e in ends]
         return [next(tokens) if e else None for e in ends]
 
     def _run_prefill(self, batch: Batch) -> torch.Tensor:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.engine.sequence import Sequence, Status
+from nanoserve.errors import InvalidParameter
 from nanoserve.kv.pages import PageAllocator, pages_needed
+from nanoserve.outputs import TokenLogprobs
 
 
 @dataclass
@@ -21,6 +23,8 @@ class Batch:
     is_prefill: bool
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens fed per sequence (1 for decode)
+    # set by the model runner: per sequence, the sampled token's logprobs where asked for
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class Scheduler:
@@ -44,15 +48,18 @@ class Scheduler:
     def check_admissible(self, num_prompt_tokens: int) -> None:
         """Raises ValueError for a prompt that can never run (the request is refused alone)."""
         if num_prompt_tokens == 0:
-            raise ValueError("empty prompt")
+            raise InvalidParameter("prompt", "empty prompt")
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room for output")
+            raise InvalidParameter("prompt", f"prompt has {num_prompt_tokens} tokens; "
+                                             f"max_model_len is {self.max_model_len}, which "
+                                             "leaves no room for output",
+                                   "context_length_exceeded")
         need = pages_needed(num_prompt_tokens + 1, self.page_size)
         if need > self.allocator.capacity:
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
-                f"{self.page_size} tokens; {self.capacity_note} holds {self.allocator.capacity}")
+            raise InvalidParameter(
+                "prompt", f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
+                f"{self.page_size} tokens; {self.capacity_note} holds {self.allocator.capacity}",
+                "kv_capacity_exceeded")
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_tokens)
@@ -77,6 +84,8 @@ class Scheduler:
                 break
             extra = pages_needed(seq.num_cached + chunk, self.page_size) - len(seq.pages)
             seq.pages += self.allocator.allocate(max(extra, 0))
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk
@@ -133,10 +142,14 @@ class Scheduler:
         """Advance each sequence by what the step computed; returns those that finished."""
         finished = []
         now = time.perf_counter()
-        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+        logprobs = batch.logprobs or [None] * len(batch.seqs)
+        for seq, n, tok, lp in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs,
+                                   strict=True):
             seq.num_cached += n
             if tok is None:
                 continue  # a prompt chunk that did not reach the prompt's end
+            if seq.logprobs is not None and lp is not None:
+                seq.logprobs.append(lp)
             if seq.status == Status.WAITING:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING

@@ -6,8 +6,7 @@ import itertools
 import time
 from enum import Enum
 
-import torch
-
+from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -20,21 +19,26 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, token_ids: list[int], params: SamplingParams, index: int = 0,
+                 seed: int = 0) -> None:
         self.seq_id = next(_ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        self.index = index  # which of the request's n completions
+        # keys this sequence's random numbers (with the position), so a seeded sequence draws
+        # the same tokens whatever else is in its batches, and again after preemption
+        self.seed = seed
         self.status = Status.WAITING
         self.pages: list[int] = []
         # Invariant: KV of token_ids[:num_cached] is in this sequence's pages.
         self.num_cached = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # stop | length | abort | error
+        self.error: str | None = None  # why finish_reason is "error"
         self.output_text: str | None = None  # set when a stop string cut the text
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None  # queue time ends here
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
