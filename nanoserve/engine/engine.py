@@ -6,10 +6,12 @@ import logging
 import random
 from pathlib import Path
 
+import torch
+
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.sampler import derive_seed
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import Batch, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.pages import PageAllocator
 from nanoserve.models.config import ModelConfig
@@ -17,6 +19,12 @@ from nanoserve.models.loader import load_model, resolve_model_dir
 from nanoserve.sampling_params import InvalidParameter, SamplingParams
 
 log = logging.getLogger("nanoserve")
+
+
+def is_device_failure(e: BaseException) -> bool:
+    """Errors that leave the device unusable for every request, not just the step's own."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
 
 
 def load_tokenizer(model_dir: Path):
@@ -115,16 +123,46 @@ class LLMEngine:
         return seqs
 
     def step(self) -> list[Sequence]:
-        """One scheduled step; returns the sequences that finished in it."""
+        """One scheduled step; returns the sequences that finished in it. A failure inside the
+        step fails the sequences it belongs to (finish_reason "error") and nothing else; only a
+        device failure, which no later step would survive either, is raised."""
         batch = self.scheduler.schedule()
         finished = self.scheduler.finished_in_schedule
         self.scheduler.finished_in_schedule = []
         if batch is not None:
-            tokens = self.runner.run(batch)
-            finished += self.scheduler.postprocess(batch, tokens)
+            try:
+                finished += self.scheduler.postprocess(batch, self.runner.run(batch))
+            except Exception as e:
+                if is_device_failure(e):
+                    raise
+                finished += self._run_one_by_one(batch, e)
         for seq in finished:
             self.sequences.pop(seq.seq_id, None)
         return finished
+
+    def _run_one_by_one(self, batch: Batch, error: Exception) -> list[Sequence]:
+        """Reruns a failed step's sequences alone, so the failure lands on its owner. Rerunning
+        is safe: a sequence's state advances only in postprocess, after its step succeeded."""
+        if len(batch.seqs) == 1:
+            self._fail(batch.seqs[0], error)
+            return batch.seqs
+        finished = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            alone = Batch(batch.is_prefill, [seq], [n])
+            try:
+                finished += self.scheduler.postprocess(alone, self.runner.run(alone))
+            except Exception as e:
+                if is_device_failure(e):
+                    raise
+                self._fail(seq, e)
+                finished.append(seq)
+        return finished
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        log.error("request %d failed in a step: %s: %s", seq.seq_id, type(error).__name__, error,
+                  exc_info=error)
+        self.scheduler.finish(seq, "error")
+        seq.error = f"{type(error).__name__}: {error}"
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

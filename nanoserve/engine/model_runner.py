@@ -88,7 +88,13 @@ class ModelRunner:
         # more pages than every sequence at full length can use are never needed
         wanted = self.cfg.max_num_seqs * self.max_pages_per_seq + 1
         if not self.cfg.enable_offload:
-            pages = max(2, min(wanted, self.gpu_budget_bytes // self.page_bytes))
+            pages = min(wanted, self.gpu_budget_bytes // self.page_bytes)
+            if pages < 2:  # page 0 is the dummy page: one usable page at the very least
+                raise ValueError(
+                    f"GPU KV budget {self.gpu_budget_bytes / 2**30:.4g} GiB holds no KV page: "
+                    f"one page of {self.page_size} tokens takes {self.page_bytes:,} bytes and "
+                    f"at least 2 are needed ({2 * self.page_bytes / 2**30:.4g} GiB); raise the "
+                    f"budget, lower --page-size, or use --enable-offload")
             return ResidencyPlan(layers, layers, pages, layer_page_bytes)
         self.host_budget_bytes = int((self.cfg.host_kv_budget_gib or default_host_budget_gib())
                                      * GiB)

@@ -196,6 +196,7 @@ def candidates(logits: torch.Tensor, t: SamplingTensors
         drop |= probs.cumsum(-1) - probs >= t.top_p[:, None]
     if t.use_min_p:
         drop |= probs < t.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # even when top_p underflows float32 to 0
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(-1, keepdim=True), order
 

@@ -102,7 +102,7 @@ class Scheduler:
             while need > self.allocator.num_free and seq.status == Status.RUNNING:
                 if not self._release_pages_for(seq):
                     # alone and still out of pages: its context outgrew the whole KV budget
-                    self._finish(seq, "length")
+                    self.finish(seq, "length")
                     self.finished_in_schedule.append(seq)
             if seq.status != Status.RUNNING:
                 continue
@@ -159,7 +159,7 @@ class Scheduler:
                 seq.first_token_time = now
             reason = self._stop_reason(seq, tok)
             if reason is not None:
-                self._finish(seq, reason)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
@@ -178,7 +178,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -190,4 +190,4 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
-            self._finish(seq, "abort")
+            self.finish(seq, "abort")
