@@ -148,7 +148,7 @@ def test_prompt_larger_than_the_kv_budget_is_refused(qwen3_dir):
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a local directory"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nope" / "model.bin"), progress=False, device="cpu")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         LLM(str(tmp_path), progress=False, device="cpu")

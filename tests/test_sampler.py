@@ -267,3 +267,21 @@ def test_penalties_change_tokens_exactly_as_transformers_processors(qwen3_dir):
     plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
                                                 ignore_eos=True))[0]
     assert plain.token_ids != got.token_ids  # the penalty had an effect to check
+
+
+def test_sorting_bf16_keys_draws_exactly_what_float32_keys_draw():
+    """A bf16 model's logits are exact in bf16 (many ties included): sorting them there, as the
+    engine does on the GPU, must not change a single draw."""
+    g = torch.Generator().manual_seed(15)
+    logits = (torch.randn(64, VOCAB, generator=g) * 2).to(torch.bfloat16).float()
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) for i in range(32)] + \
+             [SamplingParams(temperature=1.3, top_k=40, top_p=0.7, min_p=0.01, seed=i)
+              for i in range(32)]
+    t = tensors(params)
+    assert sample(logits, t, torch.bfloat16).token_ids == sample(logits, t).token_ids
+
+
+def test_plain_greedy_batches_upload_nothing():
+    assert build_sampling_tensors(rows([SamplingParams(temperature=0.0)] * 3), VOCAB,
+                                  torch.device("cpu")) is None
+    assert tensors([SamplingParams(temperature=0.0, logprobs=0)]) is not None

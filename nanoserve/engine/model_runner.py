@@ -162,8 +162,10 @@ class ModelRunner:
         seqs = [s for s, e in zip(batch.seqs, ends, strict=True) if e]
         if not seqs:
             return [None] * len(ends)
+        # logits come from the model's dtype: a half-precision model's are exact in it
+        key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
-                                                    self.pin))
+                                                    self.pin), key_dtype)
         tokens = iter(out.token_ids)
         logprobs = iter(out.logprobs or [None] * len(seqs))
         batch.logprobs = [next(logprobs) if e else None for e in ends]

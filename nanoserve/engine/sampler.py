@@ -80,6 +80,7 @@ class SamplingTensors:
     # host-side facts about the batch that choose the kernels (no device sync needed)
     all_greedy: bool
     max_top_k: int  # candidates to keep: the vocabulary size unless every sampled row has top_k
+    use_top_k: bool  # some sampled row keeps fewer than max_top_k
     use_top_p: bool
     use_min_p: bool
     penalties: Penalties | None
@@ -103,10 +104,14 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 
 def build_sampling_tensors(seqs, vocab: int, device: torch.device,
-                           pin: bool = False) -> SamplingTensors:
+                           pin: bool = False) -> SamplingTensors | None:
     """`seqs`: objects with `params` (SamplingParams), `seed`, `token_ids`,
-    `num_prompt_tokens`; each samples the token at position len(token_ids)."""
+    `num_prompt_tokens`; each samples the token at position len(token_ids). None when every
+    row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
+    if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
+           for p in params):
+        return None
 
     def put(data, dtype) -> torch.Tensor:
         t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
@@ -142,6 +147,7 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device,
         greedy=put(greedy, torch.bool), temperature=floats[:, 0], top_k=ints[:, 0],
         top_p=floats[:, 1], min_p=floats[:, 2], seeds=ints[:, 1], positions=ints[:, 2],
         all_greedy=not sampled, max_top_k=max_top_k,
+        use_top_k=any(k < max_top_k for k, g in zip(top_ks, greedy, strict=True) if not g),
         use_top_p=any(p.top_p < 1.0 for p in sampled),
         use_min_p=any(p.min_p > 0.0 for p in sampled), penalties=penalties,
         logit_bias=logit_bias,
@@ -174,39 +180,60 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
     return logits + full[:, :vocab]
 
 
-def candidates(logits: torch.Tensor, t: SamplingTensors
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filtered distribution of each row over its candidate tokens, most likely first:
-    (probabilities [B, K] summing to 1, token ids [B, K]). K is the vocabulary, or the largest
-    top_k when every sampled row has one. top-k keeps the k most likely tokens (ties by lower
-    token id), top-p the smallest prefix whose mass reaches top_p of what top-k kept, min-p
-    the tokens of at least min_p x the top token's probability; the top token always stays."""
-    scaled = logits / t.temperature[:, None]
-    vocab = logits.shape[-1]
+def filter_candidates(logits: torch.Tensor, t: SamplingTensors,
+                      key_dtype: torch.dtype | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's candidates, most likely first: (cumulative probabilities [B, K], token ids
+    [B, K], how many candidates are kept [B]). K is the vocabulary, or the largest top_k when
+    every sampled row has one. top-k keeps the k most likely tokens (ties: the lower id first),
+    top-p the shortest prefix whose mass reaches top_p of what top-k kept, min-p the tokens of
+    at least min_p x the top token's probability. Each filter keeps a prefix of the sorted
+    candidates, so one count per row describes them all; the top token always stays.
+
+    The order does not depend on temperature, so the raw logits are sorted, in `key_dtype`
+    when they are exactly representable in it (bf16 logits of a bf16 model: half the radix
+    passes of float32)."""
+    keys = logits if key_dtype is None else logits.to(key_dtype)
     k = t.max_top_k
-    if k < vocab:
-        values, order = torch.topk(scaled, k, dim=-1)
+    if k < logits.shape[-1]:
+        values, order = torch.topk(keys, k, dim=-1)
     else:
-        values, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(values.shape[-1], device=logits.device)
-    values = values.masked_fill(ranks[None, :] >= t.top_k[:, None], float("-inf"))
+        values, order = torch.sort(keys, dim=-1, descending=True, stable=True)
+    values = values.float() / t.temperature[:, None]
+    width = values.shape[-1]
+    if t.use_top_k:
+        ranks = torch.arange(width, device=logits.device)
+        values = values.masked_fill(ranks >= t.top_k[:, None], float("-inf"))
     probs = values.softmax(-1)
-    drop = torch.zeros_like(probs, dtype=torch.bool)
-    if t.use_top_p:
-        drop |= probs.cumsum(-1) - probs >= t.top_p[:, None]
-    if t.use_min_p:
-        drop |= probs < t.min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False  # even when top_p underflows float32 to 0
-    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)
+    kept = t.top_k.clamp(max=width)
+    if t.use_top_p:  # candidate j stays while the mass before it is below top_p
+        before = torch.searchsorted(cdf, t.top_p[:, None]).squeeze(1)
+        kept = torch.minimum(kept, before + 1)
+    if t.use_min_p:  # probs descend, so -probs ascend
+        floor = -(t.min_p * probs[:, 0])[:, None]
+        kept = torch.minimum(kept, torch.searchsorted(-probs, floor, right=True).squeeze(1))
+    return cdf, order, kept.clamp(min=1)  # min 1: top_p may underflow float32 to 0
+
+
+def candidates(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered, renormalized distribution over each row's candidates (zeros past the kept
+    prefix) and their token ids: what draw() samples from, spelled out for tests."""
+    cdf, order, kept = filter_candidates(logits, t)
+    probs = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[:, :1]))
+    ranks = torch.arange(cdf.shape[-1], device=cdf.device)
+    probs = probs.masked_fill(ranks >= kept[:, None], 0.0)
     return probs / probs.sum(-1, keepdim=True), order
 
 
-def draw(probs: torch.Tensor, order: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: the first candidate whose cumulative probability exceeds u."""
-    cdf = probs.cumsum(-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-    pick = pick.clamp_(max=probs.shape[-1] - 1)  # u x total rounded up to the total
-    return order.gather(1, pick).squeeze(1)
+def draw(cdf: torch.Tensor, order: torch.Tensor, kept: torch.Tensor,
+         u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw within the kept prefix: the first candidate whose cumulative
+    probability exceeds u x the prefix's mass."""
+    last = (kept - 1)[:, None]
+    target = u[:, None] * cdf.gather(1, last)
+    pick = torch.searchsorted(cdf, target, right=True)
+    return order.gather(1, torch.minimum(pick, last)).squeeze(1)
 
 
 @dataclass
@@ -226,18 +253,28 @@ def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SampleOutput:
-    """logits: [B, V] of the rows that sample this step, any float dtype, on any device."""
-    raw = logits.float()
-    logits = raw
+def sample(logits: torch.Tensor, t: SamplingTensors | None,
+           key_dtype: torch.dtype | None = None) -> SampleOutput:
+    """logits: [B, V] float32 of the rows that sample this step, on any device. t=None: every
+    row is plain greedy. key_dtype: a dtype that holds the logits exactly (the model's)."""
+    if t is None:
+        (tokens,) = _to_host(logits.argmax(-1))
+        return SampleOutput(tokens.tolist(), None)
+    raw = logits
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
+        key_dtype = None
     if t.logit_bias is not None:
         logits = apply_logit_bias(logits, t.logit_bias)
+        key_dtype = None
     tokens = logits.argmax(-1)
     if not t.all_greedy:
-        probs, order = candidates(logits, t)
-        drawn = draw(probs, order, uniform(t.seeds, t.positions))
+        u = uniform(t.seeds, t.positions)
+        if t.max_top_k < logits.shape[-1] or t.use_top_p:
+            cdf, order, kept = filter_candidates(logits, t, key_dtype)
+            drawn = draw(cdf, order, kept, u)
+        else:  # no ordered filter: draw in vocabulary order, no sort
+            drawn = draw_unsorted(logits, t, u, tokens)
         tokens = torch.where(t.greedy, tokens, drawn)
     if t.num_logprobs < 0:
         (tokens,) = _to_host(tokens)
@@ -253,3 +290,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SampleOutput:
                TokenLogprobs(tok, lp, tuple(zip(ids[:k], vals[:k], strict=True)))
                for tok, lp, vals, ids, k in rows]
     return SampleOutput(token_list, per_row)
+
+
+def draw_unsorted(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor,
+                  argmax: torch.Tensor) -> torch.Tensor:
+    """Temperature (and min-p) alone: inverse CDF over the vocabulary in id order."""
+    probs = (logits / t.temperature[:, None]).softmax(-1)
+    if t.use_min_p:
+        probs = probs.masked_fill(probs < t.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    # u x total rounded up to the total (odds ~2**-24): the argmax, always a candidate
+    return torch.where(pick < logits.shape[-1], pick, argmax)

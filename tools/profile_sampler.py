@@ -1,0 +1,63 @@
+"""Times the batched sampler on the device (CUDA events, median of repeats), per configuration:
+python tools/profile_sampler.py --batch-size 64 --vocab 151936"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from types import SimpleNamespace
+
+import torch
+
+from nanoserve import SamplingParams
+from nanoserve.engine.sampler import build_sampling_tensors, sample
+
+CONFIGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "t0.8 top_p0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    "t1.0 top_k50": SamplingParams(temperature=1.0, top_k=50),
+    "t1.0": SamplingParams(temperature=1.0),
+    "t0.8 min_p0.05": SamplingParams(temperature=0.8, min_p=0.05),
+    "t0.8 top_p0.95 logprobs5": SamplingParams(temperature=0.8, top_p=0.95, logprobs=5),
+    "t0.8 penalties": SamplingParams(temperature=0.8, presence_penalty=0.5,
+                                     frequency_penalty=0.5, repetition_penalty=1.1),
+}
+
+
+def time_ms(fn, repeats: int = 50) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--context", type=int, default=640)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    logits = (torch.randn(a.batch_size, a.vocab, device=dev) * 4).to(torch.bfloat16).float()
+    ids = torch.randint(0, a.vocab, (a.context,)).tolist()
+    for name, p in CONFIGS.items():
+        seqs = [SimpleNamespace(params=p, seed=i, token_ids=ids, num_tokens=len(ids),
+                                num_prompt_tokens=512) for i in range(a.batch_size)]
+
+        def step(seqs=seqs):
+            sample(logits, build_sampling_tensors(seqs, a.vocab, dev, pin=True))
+
+        step()
+        print(f"{name:28s} {time_ms(step):7.3f} ms per step (batch {a.batch_size})")
+    print(f"{'torch.sort alone':28s} "
+          f"{time_ms(lambda: torch.sort(logits, dim=-1, descending=True)):7.3f} ms")
+    print(f"{'torch.topk(50) alone':28s} {time_ms(lambda: torch.topk(logits, 50, dim=-1)):7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
