@@ -94,12 +94,38 @@ def chat_ids(ref_llm, content: str) -> list[int]:
 
 
 def metrics(server) -> dict[str, float]:
+    """/metrics as {sample name with its labels but the model's: value}."""
     text = httpx.get(server.url + "/metrics").text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model="[^"]*",?', "", key).replace("{}", "")] = float(value)
+            key = re.sub(r',?model="[^"]*"', "", key).replace("{,", "{").replace("{}", "")
+            out[key] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Waits until no sequence runs or waits and no KV page is used; returns the metrics."""
+    srv = type("S", (), {"url": url})
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(srv)
+        if (m["nanoserve_requests_running"], m["nanoserve_requests_waiting"],
+                m['nanoserve_kv_pages_used{tier="gpu"}'],
+                m['nanoserve_kv_pages_used{tier="host"}']) == (0, 0, 0, 0):
+            return m
+        assert time.time() < deadline, m
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of server-sent events, and "[DONE]"."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
 
@@ -209,28 +235,28 @@ def test_sixteen_concurrent_streams(server, ref_llm):
     assert texts == [r.text for r in refs]
 
 
-BAD = [  # (body or raw bytes, status, error param or code)
-    (b'{"model": "tiny-qwen3", "prompt": ', 400, None),
-    ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
-    ({"prompt": "grass " * 1500, "max_tokens": 4}, 400, "context_length_exceeded"),
-    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 8191}, 400, "context_length_exceeded"),
-    ({"prompt": "hi", "temperature": 3.5}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "n": 3}, 400, "n"),
-    ({"prompt": "grass " * 1000, "max_tokens": 4}, 400, "kv_capacity_exceeded"),
+BAD = [  # (body or raw bytes, status, error param, error code): exact
+    (b'{"model": "tiny-qwen3", "prompt": ', 400, None, None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"prompt": "grass " * 1500, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", None),
+    ({"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": 8191}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "hi", "temperature": 3.5}, 400, "temperature", None),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt", None),
+    ({"prompt": ""}, 400, "prompt", None),
+    ({"prompt": "hi", "n": 0}, 400, "n", None),
+    ({"prompt": "grass " * 1000, "max_tokens": 4}, 400, "prompt", "kv_capacity_exceeded"),
 ]
 
 
 def test_bad_requests_get_openai_errors_while_a_good_one_runs(server, client, ref_llm):
-    ref = greedy(ref_llm, PROMPT, 300, ignore_eos=True)
+    ref = greedy(ref_llm, PROMPT, 100, ignore_eos=True)
     result = {}
 
     def good():
-        chunks = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=300,
+        chunks = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=100,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         result["text"] = "".join(c.choices[0].text for c in chunks)
@@ -238,17 +264,16 @@ def test_bad_requests_get_openai_errors_while_a_good_one_runs(server, client, re
     t = threading.Thread(target=good)
     t.start()
     url = server.url + "/v1/completions"
-    for body, status, what in BAD:
+    for body, status, param, code in BAD:
         if isinstance(body, bytes):
             r = httpx.post(url, content=body, headers={"content-type": "application/json"})
         else:
             r = httpx.post(url, json={"model": NAME, **body} if "model" not in body else body)
-        assert r.status_code == status, (body if isinstance(body, bytes) else
-                                         str(body)[:80], r.text)
+        what = body if isinstance(body, bytes) else str(body)[:80]
+        assert r.status_code == status, (what, r.text)
         err = r.json()["error"]
-        assert err["message"] and err["type"]
-        if what is not None:
-            assert what in (err["param"], err["code"]), err
+        assert err["message"] and err["type"] == "invalid_request_error", (what, err)
+        assert (err["param"], err["code"]) == (param, code), (what, err)
     chat = httpx.post(server.url + "/v1/chat/completions",
                       json={"model": NAME, "messages": "hello"})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
@@ -267,54 +292,83 @@ def test_disconnect_mid_stream_frees_the_request(server):
         assert any(line.startswith("data: {") for line in got)
         assert metrics(server)["nanoserve_requests_running"] == 1
         assert metrics(server)['nanoserve_kv_pages_used{tier="gpu"}'] > 0
-    deadline = time.time() + 10
-    while True:
-        m = metrics(server)
-        if m["nanoserve_requests_running"] == 0:
-            break
-        assert time.time() < deadline, m
-        time.sleep(0.05)
-    assert m['nanoserve_kv_pages_used{tier="gpu"}'] == 0
-    assert m['nanoserve_kv_pages_used{tier="host"}'] == 0
+    m = wait_idle(server.url)
     aborted = 'nanoserve_requests_finished_total{reason="abort"}'
     assert m[aborted] == before.get(aborted, 0) + 1
     assert m["nanoserve_generation_tokens_total"] < before["nanoserve_generation_tokens_total"] \
         + 3000
 
 
-def test_models_health_metrics(server):
+def test_models_health_metrics(server, client):
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [NAME]
+    card = client.models.retrieve(NAME)
+    assert (card.id, card.object, card.owned_by) == (NAME, "model", "nanoserve")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body == {"message": "The model 'gpt-4' does not exist", "param": "model",
+                            "code": "model_not_found", "type": "invalid_request_error"}
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    before = metrics(server)
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
     m = metrics(server)
     pages = server.engine.allocator.capacity
     assert m["nanoserve_kv_pages_total"] == pages == KV_TOKENS // 16 - 1  # page 0: dummy
     assert m["nanoserve_requests_waiting"] == 0
-    assert m["nanoserve_generation_tokens_total"] > 0
+    assert m["nanoserve_generation_tokens_total"] == \
+        before["nanoserve_generation_tokens_total"] + 6
+    assert m["nanoserve_prompt_tokens_total"] == \
+        before["nanoserve_prompt_tokens_total"] + r.usage.prompt_tokens
+    stop = 'nanoserve_requests_finished_total{reason="length"}'
+    assert m[stop] == before.get(stop, 0) + 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        key = f"nanoserve_{name}_count"
+        assert m[key] == before.get(key, 0) + 1, name
+        assert m[f'nanoserve_{name}_bucket{{le="+Inf"}}'] == m[key]
+    key = "nanoserve_time_per_output_token_seconds_count"
+    assert m[key] == before.get(key, 0) + 5  # one per token after the first
+    text = httpx.get(server.url + "/metrics")
+    assert text.headers["content-type"].startswith("text/plain")
+    assert f'nanoserve_requests_running{{model="{NAME}"}}' in text.text
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_serve_command_shuts_down_cleanly_on_sigterm():
+    """SIGTERM during a stream: the stream ends with an error event and [DONE], not a cut
+    connection, and the process exits 0."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nanoserve", "serve", "--device", "cpu", "--port", str(port),
          "--max-model-len", "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while True:
             assert proc.poll() is None, proc.stdout.read().decode()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert time.time() < deadline
             time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+        r = httpx.post(url + "/v1/completions",
                        json={"prompt": "The sky", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        proc.send_signal(signal.SIGTERM)
+        body = {"prompt": "The sky", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = sse_events([first, *lines])
+        assert rest[-1] == "[DONE]"
+        assert rest[-2]["error"]["type"] == "server_error", rest[-2]
+        assert rest[-2]["error"]["code"] == "server_shutting_down", rest[-2]
+        assert all("choices" in e for e in rest[:-2])
         assert proc.wait(30) == 0
         out = proc.stdout.read().decode()
         assert "Finished server process" in out or "Shutting down" in out, out
@@ -323,20 +377,74 @@ def test_serve_command_shuts_down_cleanly_on_sigterm():
 
 
 def test_engine_failure_fails_requests_and_reports_unhealthy():
+    """A device failure kills the engine loop: requests fail with 500, /health turns 503, new
+    requests get 503."""
     llm = LLM(progress=False, **ENGINE)
     ae = AsyncEngine(llm.engine)
 
     def broken(batch):
-        raise RuntimeError("device lost")
+        raise RuntimeError("CUDA error: device lost")
 
     llm.engine.runner.run = broken
     srv = ServerThread(build_app(ae, NAME))
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
         assert httpx.get(srv.url + "/health").status_code == 503
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    finally:
+        srv.stop()
+
+
+def test_a_failed_step_fails_only_its_own_request():
+    """The runner raises (not a device failure) whenever a batch holds the marked request: that
+    request gets an error in OpenAI's shape, streaming or not; a concurrent good request
+    returns exactly the reference text, /health stays 200 and nothing leaks."""
+    llm = LLM(progress=False, **ENGINE)
+    ref = greedy(llm, PROMPT, 24, ignore_eos=True).text
+    mark = 255
+    real_run = llm.engine.runner.run
+
+    def run(batch):
+        if any(seq.token_ids[0] == mark for seq in batch.seqs):
+            raise ValueError("boom: marked request")
+        return real_run(batch)
+
+    llm.engine.runner.run = run
+    srv = ServerThread(build_app(AsyncEngine(llm.engine), NAME))
+    url = srv.url + "/v1/completions"
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as http:
+                async def good():
+                    r = await http.post(url, json={"prompt": PROMPT, "max_tokens": 24,
+                                                   "temperature": 0, "ignore_eos": True})
+                    return r.json()["choices"][0]["text"]
+
+                async def bad_plain():
+                    return await http.post(url, json={"prompt": [mark, 1, 2], "max_tokens": 8})
+
+                async def bad_stream():
+                    async with http.stream("POST", url, json={
+                            "prompt": [mark, 3], "max_tokens": 8, "stream": True}) as r:
+                        return r.status_code, sse_events([x async for x in r.aiter_lines()])
+
+                return await asyncio.gather(good(), bad_plain(), bad_stream(), good())
+
+        text, plain, (status, events), text2 = asyncio.run(main())
+        assert text == text2 == ref
+        assert plain.status_code == 500
+        assert plain.json()["error"] == {"message": "ValueError: boom: marked request",
+                                         "type": "server_error", "param": None, "code": None}
+        assert status == 200 and len(events) == 2 and events[1] == "[DONE]"
+        assert events[0]["error"]["message"] == "ValueError: boom: marked request"
+        assert events[0]["error"]["type"] == "server_error"
+        assert httpx.get(srv.url + "/health").status_code == 200
+        m = wait_idle(srv.url)
+        assert m['nanoserve_requests_finished_total{reason="error"}'] == 2
+        assert m['nanoserve_requests_finished_total{reason="length"}'] == 2
     finally:
         srv.stop()
 

@@ -4,6 +4,9 @@ The thread owns the LLMEngine: only it adds, aborts and steps. Handlers send it 
 a queue and read per-request outputs from asyncio queues, so requests that arrive while others
 decode join the running batch at the next step, and tokenization and detokenization happen on the
 event loop, off the engine's critical path.
+
+A request is its `n` sequences (one per completion); its stream carries the deltas of all of
+them, each tagged with its completion's index, and ends after every completion's last delta.
 """
 
 from __future__ import annotations
@@ -18,17 +21,26 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
+from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.serve")
 
+SHUTDOWN_MESSAGE = "request aborted: the server is shutting down"
+
+
+class ServerOverloaded(RuntimeError):
+    """More sequences in flight than the server takes; the client should retry later."""
+
 
 @dataclass
 class Delta:
+    index: int  # which of the request's completions
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
     finish_reason: str | None = None  # stop | length | abort | error, on the last delta
     stop_text: str | None = None  # the output text cut before a stop string
-    error: str | None = None
+    error: str | None = None  # why: finish_reason error, or abort at shutdown
 
 
 @dataclass
@@ -36,10 +48,15 @@ class RequestStream:
     """One request's outputs, in order; the engine thread writes, a handler reads."""
 
     loop: asyncio.AbstractEventLoop
+    n: int = 1
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None
-    num_sent: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    num_sent: list[int] = field(default_factory=list)  # per completion: tokens sent
+    last_time: list[float] = field(default_factory=list)  # per completion: last token sent
+    num_open: int = 0  # completions not finished yet
     num_prompt_tokens: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_seen: bool = False
 
     def put(self, delta: Delta) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
@@ -49,7 +66,7 @@ class RequestStream:
 class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)
+    requests_finished: dict[str, int] = field(default_factory=dict)  # completions, by reason
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, new tokens)
 
     def tokens_per_second(self, window_s: float = 10.0) -> float:
@@ -66,17 +83,30 @@ class AsyncEngine:
         self.engine = engine
         self.stats = EngineStats()
         self.error: str | None = None  # set if the engine loop died
+        self.observer = None  # latency histograms (serve.metrics.Metrics), set by the app
+        self.draining = False  # shutting down: no new requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[int, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._in_flight = 0  # sequences submitted and not finished
+        self._streams: dict[int, tuple[RequestStream, Sequence]] = {}  # by seq_id
         self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """Refuses new requests and aborts those in flight: their streams end at once with an
+        abort (an error event for the client), so nothing is left for a graceful shutdown to
+        wait for."""
+        self.draining = True
+        self._inbox.put(("abort_all",))
+        self._wake.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts every request and stops the loop."""
+        self.draining = True
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
@@ -85,12 +115,26 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def submit(self, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queues a request; raises ValueError (from the engine) when it cannot run."""
-        if not self.alive:
-            raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences submitted and not finished (a request of n completions counts n)."""
+        return self._in_flight
+
+    async def submit(self, token_ids: list[int], params: SamplingParams,
+                     max_in_flight: int | None = None) -> RequestStream:
+        """Queues a request. Raises ValueError (InvalidParameter, from the engine) when it
+        cannot run, ServerOverloaded when more than `max_in_flight` sequences would be in
+        flight, RuntimeError when the engine is not running."""
+        if not self.alive or self.draining:
+            raise RuntimeError("the engine is not running: " + (
+                self.error or ("the server is shutting down" if self.draining else "stopped")))
+        with self._lock:
+            if max_in_flight is not None and self._in_flight + params.n > max_in_flight:
+                raise ServerOverloaded(f"the server is overloaded: {self._in_flight} sequences "
+                                       f"in flight, at most {max_in_flight}; retry later")
+            self._in_flight += params.n
         loop = asyncio.get_running_loop()
-        stream = RequestStream(loop)
+        stream = RequestStream(loop, params.n)
         admitted = loop.create_future()
         self._inbox.put(("add", token_ids, params, stream, admitted))
         self._wake.set()
@@ -104,6 +148,10 @@ class AsyncEngine:
     def abort(self, stream: RequestStream) -> None:
         self._inbox.put(("abort", stream))
         self._wake.set()
+
+    def _done(self, count: int) -> None:
+        with self._lock:
+            self._in_flight -= count
 
     # --- engine thread ---------------------------------------------------------------------
 
@@ -120,14 +168,26 @@ class AsyncEngine:
         except Exception as e:  # a broken device: fail every request, report unhealthy
             log.exception("engine loop failed")
             self.error = f"{type(e).__name__}: {e}"
-            for stream in self._streams.values():
-                stream.put(Delta([], "error", error=self.error))
+            for stream, seq in self._streams.values():
+                stream.put(Delta(seq.index, [], finish_reason="error", error=self.error))
             self._streams.clear()
+            self._fail_inbox()
             return
-        for stream in list(self._streams.values()):  # shutdown
-            self.engine.abort(stream.seq)
-            self._emit(stream, "abort")
-        self._streams.clear()
+        self._drain_inbox()  # requests queued in the meantime are admitted, then aborted
+        self._abort_all(SHUTDOWN_MESSAGE)
+        self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        """After the loop: requests still queued are refused (their submit raises)."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                stream, admitted = cmd[3], cmd[4]
+                stream.loop.call_soon_threadsafe(
+                    _set_exception, admitted, RuntimeError(self.error or "engine stopped"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -136,45 +196,88 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, token_ids, params, stream, admitted = cmd
-                try:
-                    seq = self.engine.add_request(token_ids, params)
-                except ValueError as e:
-                    stream.loop.call_soon_threadsafe(_set_exception, admitted, e)
-                    continue
-                stream.seq, stream.num_prompt_tokens = seq, seq.num_prompt_tokens
-                self._streams[seq.seq_id] = stream
-                self.stats.prompt_tokens_total += seq.num_prompt_tokens
-                stream.loop.call_soon_threadsafe(_set_result, admitted)
+                self._add(*cmd[1:])
+            elif cmd[0] == "abort":
+                self._abort(cmd[1], None)
             else:
-                stream = cmd[1]
-                if stream.seq is not None and self._streams.pop(stream.seq.seq_id, None):
-                    self.engine.abort(stream.seq)
-                    self._emit(stream, "abort")
+                self._abort_all(SHUTDOWN_MESSAGE)
+
+    def _add(self, token_ids, params, stream: RequestStream, admitted) -> None:
+        try:
+            seqs = self.engine.add_request(token_ids, params)
+        except Exception as e:  # InvalidParameter: refused alone
+            self._done(params.n)
+            stream.loop.call_soon_threadsafe(_set_exception, admitted, e)
+            return
+        stream.seqs = seqs
+        stream.num_sent = [0] * len(seqs)
+        stream.last_time = [0.0] * len(seqs)
+        stream.num_open = len(seqs)
+        stream.num_prompt_tokens = seqs[0].num_prompt_tokens
+        for seq in seqs:
+            self._streams[seq.seq_id] = (stream, seq)
+        self.stats.prompt_tokens_total += stream.num_prompt_tokens
+        stream.loop.call_soon_threadsafe(_set_result, admitted)
+
+    def _abort(self, stream: RequestStream, error: str | None) -> None:
+        for seq in stream.seqs:
+            if self._streams.pop(seq.seq_id, None) is not None:
+                self.engine.abort(seq)
+                self._emit(stream, seq, "abort", error)
+
+    def _abort_all(self, error: str) -> None:
+        for stream in {id(s): s for s, _ in self._streams.values()}.values():
+            self._abort(stream, error)
 
     def _publish(self, finished: list[Sequence]) -> None:
         done = {s.seq_id for s in finished}
         new_tokens = 0
-        for seq_id, stream in list(self._streams.items()):
-            n = stream.seq.num_output_tokens
-            new_tokens += n - stream.num_sent
+        for seq_id, (stream, seq) in list(self._streams.items()):
+            n = seq.num_output_tokens
+            new_tokens += n - stream.num_sent[seq.index]
             if seq_id in done:
-                self._emit(stream, stream.seq.finish_reason)
                 del self._streams[seq_id]
-            elif n > stream.num_sent:
-                self._emit(stream, None)
+                self._emit(stream, seq, seq.finish_reason, seq.error)
+            elif n > stream.num_sent[seq.index]:
+                self._emit(stream, seq, None)
         self.stats.generation_tokens_total += new_tokens
         self.stats.recent.append((time.perf_counter(), new_tokens))
 
-    def _emit(self, stream: RequestStream, finish_reason: str | None) -> None:
-        seq = stream.seq
-        ids = seq.output_token_ids[stream.num_sent:]
-        stream.num_sent += len(ids)
+    def _emit(self, stream: RequestStream, seq: Sequence, finish_reason: str | None,
+              error: str | None = None) -> None:
+        i = seq.index
+        start = stream.num_sent[i]
+        ids = seq.output_token_ids[start:]
+        logprobs = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
+        stream.num_sent[i] += len(ids)
         stop_text = seq.output_text if finish_reason is not None else None
-        stream.put(Delta(ids, finish_reason, stop_text))
+        stream.put(Delta(i, ids, logprobs, finish_reason, stop_text, error))
+        self._observe(stream, seq, len(ids), finish_reason)
         if finish_reason is not None:
             counts = self.stats.requests_finished
             counts[finish_reason] = counts.get(finish_reason, 0) + 1
+            stream.num_open -= 1
+            self._done(1)
+
+    def _observe(self, stream: RequestStream, seq: Sequence, num_new: int,
+                 finish_reason: str | None) -> None:
+        obs = self.observer
+        if obs is None:
+            return
+        now = time.perf_counter()
+        i = seq.index
+        if num_new:
+            if not stream.first_token_seen and seq.first_token_time is not None:
+                stream.first_token_seen = True
+                obs.first_token(seq.first_token_time - stream.arrival_time)
+                if seq.first_scheduled_time is not None:
+                    obs.queued(seq.first_scheduled_time - stream.arrival_time)
+            elif stream.last_time[i]:
+                # tokens arriving together in one delta share the interval
+                obs.inter_token((now - stream.last_time[i]) / num_new, num_new)
+            stream.last_time[i] = now
+        if finish_reason is not None and stream.num_open == 1:  # the request's last one
+            obs.finished(now - stream.arrival_time)
 
 
 def _set_result(fut: asyncio.Future) -> None:

@@ -1,9 +1,9 @@
-"""Incremental detokenization for streaming: text grows by whole characters only.
+"""Incremental detokenization for streaming, and the text and bytes of single tokens (logprobs).
 
-A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives, so a
-piece is released only when the decoded tail no longer ends in U+FFFD. Each call decodes a short
-window (the tokens since the last release plus a few before them for context), not the whole
-output.
+Streamed text grows by whole characters only: a multi-byte character split across tokens
+decodes to U+FFFD until its last byte arrives, so a piece is released only when the decoded tail
+no longer ends in U+FFFD. Each call decodes a short window (the tokens since the last release
+plus a few before them for context), not the whole output.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, context_tokens: int = 4) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None: a model without a tokenizer, no text
         self.context_tokens = context_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context for the tokens after read_offset
@@ -19,6 +19,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, new_ids: list[int]) -> str:
@@ -41,3 +43,54 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (the BPE vocabulary's
+    spelling of raw bytes)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+class TokenText:
+    """A token's text alone (as the tokenizer decodes it, special tokens included) and its raw
+    bytes. For byte-level BPE vocabularies the bytes are the token's own, so a token holding part
+    of a multi-byte character gives those bytes (its text is then U+FFFD); otherwise they are
+    the UTF-8 of its text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_decoder: dict[str, int] | None = None
+        self._special: set[int] = set()
+        if tokenizer is None:
+            return
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel":
+            self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        self._special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        if self.tokenizer is None:
+            text, raw = f"token_id:{token_id}", None
+        else:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = None
+            if self._byte_decoder is not None and token_id not in self._special:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and all(c in self._byte_decoder for c in piece):
+                    raw = bytes(self._byte_decoder[c] for c in piece)
+        hit = (text, list(raw if raw is not None else text.encode("utf-8", "replace")))
+        self._cache[token_id] = hit
+        return hit

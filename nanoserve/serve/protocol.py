@@ -1,31 +1,77 @@
 """OpenAI API request parsing and response shapes (completions and chat completions).
 
-Requests are validated by hand so that every problem becomes a 4xx in OpenAI's error shape:
-{"error": {"message", "type", "param", "code"}}.
+Requests are checked field by field so that every problem becomes a 4xx in OpenAI's error shape,
+{"error": {"message", "type", "param", "code"}}, naming the field at fault: the numeric rules
+are SamplingParams' own (one rule for the Python API and the server), the request's shape is
+checked here. Every field is either honoured or refused; none is silently ignored, except the
+few that only describe the request (`user`, `metadata`, `store`, ...).
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.errors import InvalidParameter
+from nanoserve.outputs import TokenLogprobs
+from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_NESTING = 64  # JSON nesting the API ever needs is a handful of levels
+MAX_QUOTE = 100  # characters of a client's value quoted back in an error message
+MAX_MESSAGE = 1000  # characters of any error message
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+# fields honoured by both endpoints; extensions marked
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "temperature", "top_p",
+           "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"}  # extensions
+# fields that only describe the request: accepted, type-checked, no effect on the output
+_DESCRIPTIVE = {"user": str, "metadata": dict, "store": bool, "service_tier": str,
+                "prompt_cache_key": str, "safety_identifier": str}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                          "response_format", "functions", "function_call", "tools",
+                          "tool_choice", "parallel_tool_calls", "audio", "modalities",
+                          "prediction", "reasoning_effort", "web_search_options", "verbosity"}
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id"}
+
+
+def short(value: Any, limit: int = MAX_QUOTE) -> str:
+    """A client's value as quoted in an error message: at most `limit` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text[:limit]) + "..." if len(text) > limit else repr(text)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+                 code: str | None = None, type_: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
             status, message, param, code, type_)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unsupported(name: str, why: str = "is not supported by this server") -> APIError:
+    return APIError(400, f"'{name}' {why}", name, "unsupported_parameter")
 
 
 @dataclass
@@ -34,100 +80,254 @@ class ParsedRequest:
     prompt: str | list[int] | None  # completions
     messages: list[dict[str, str]] | None  # chat
     max_tokens: int | None  # None: fill up to the model's length (capped by the server)
+    max_tokens_param: str  # the field the client set it with
     params: SamplingParams  # max_tokens set once the prompt length is known
     stream: bool
     include_usage: bool
 
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
 
-def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    def param_name(self, field: str | None) -> str | None:
+        """The API's name of a SamplingParams field or engine parameter."""
+        if field == "prompt":
+            return self.prompt_param
+        if field == "max_tokens":
+            return self.max_tokens_param
+        if field == "logprobs" and self.chat:
+            return "top_logprobs"
+        return field
+
+
+def check_json_value(body: Any) -> None:
+    """What json.loads lets through but nothing downstream should see: lone surrogates (they
+    cannot be encoded, so no tokenizer or response could carry them) and deep nesting."""
+    stack: list[tuple[Any, str | None, int]] = [(body, None, 0)]
+    while stack:
+        value, top, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise invalid(top, f"JSON nested deeper than {MAX_NESTING} levels")
+        if isinstance(value, str):
+            _check_text(value, top)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key_top = top if top is not None else k
+                _check_text(k, key_top if depth else None)
+                stack.append((v, key_top, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, top, depth + 1) for v in value)
+
+
+def _check_text(text: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(param, f"invalid Unicode in {param or 'a key'}: a lone surrogate "
+                             f"(U+{ord(text[e.start]):04X}) at position {e.start}") from e
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _optional(body: dict, name: str, kind: type | tuple[type, ...], what: str) -> Any:
     value = body.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
-        kind = "an integer" if integer else "a number"
-        raise APIError(400, f"'{name}' must be {kind} in [{lo}, {hi}], got {value!r}", name)
+    if value is not None and (not isinstance(value, kind) or
+                              (kind is not bool and isinstance(value, bool))):
+        raise invalid(name, f"'{name}' must be {what}, got {short(value)}")
     return value
 
 
 def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
+        raise invalid(None, "request body must be a JSON object")
+    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    for key in body:
+        if key not in allowed and key not in _DESCRIPTIVE:
+            raise invalid(key[:MAX_QUOTE], f"Unrecognized request argument supplied: "
+                                           f"{short(key)}", "unknown_parameter")
+    for key, kind in _DESCRIPTIVE.items():
+        _optional(body, key, kind, "a " + {str: "string", dict: "object",
+                                            bool: "boolean"}[kind])
     model = body.get("model")
     if model is not None and model != served_model:
-        raise APIError(404, f"model {model!r} does not exist; this server serves "
+        raise APIError(404, f"The model {short(model)} does not exist; this server serves "
                             f"{served_model!r}", "model", "model_not_found")
-    if body.get("n", 1) != 1:
-        raise APIError(400, "only n=1 is supported", "n")
-    for name in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools"):
-        value = body.get(name)
-        if value not in (None, False) and not (name == "best_of" and value == 1):
-            raise APIError(400, f"'{name}' is not supported", name)
+    _refuse_unsupported(body, chat)
+
     prompt = messages = None
     if chat:
         messages = parse_messages(body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                     for t in prompt):
-                raise APIError(400, "'prompt' must be a string, or a list of token ids",
-                               "prompt")
-        elif not isinstance(prompt, str) or not prompt:
-            raise APIError(400, "'prompt' must be a non-empty string", "prompt")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        prompt = parse_prompt(body.get("prompt"))
+
+    max_param = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        max_param, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
-    if max_tokens is not None:
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, 2**31 - 1, True)
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise invalid(max_param, f"'{max_param}' must be an integer >= 1, got "
+                                 f"{short(max_tokens)}")
+
+    stream = _optional(body, "stream", bool, "a boolean") or False
+    options = _optional(body, "stream_options", dict, "an object")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' "
+                                            "is true")
+        for key in options:
+            if key not in _STREAM_OPTIONS:
+                raise invalid("stream_options", f"unknown stream option {short(key)}")
+        _optional(options, "include_usage", bool, "a boolean")
+    include_usage = bool(options and options.get("include_usage"))
+
     stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or \
-            not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"'stop' must be a non-empty string or a list of at most "
-                            f"{MAX_STOP_STRINGS} of them", "stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, "'seed' must be an integer", "seed")
-    top_p = float(_number(body, "top_p", 1.0, 0.0, 1.0))
-    if top_p == 0.0:
-        raise APIError(400, "'top_p' must be > 0", "top_p")
-    params = SamplingParams(
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)), top_p=top_p,
-        top_k=int(_number(body, "top_k", -1, -1, 2**31 - 1, True)),
-        max_tokens=1, seed=seed, stop=stop, ignore_eos=bool(body.get("ignore_eos", False)))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", "stream_options")
-    return ParsedRequest(chat, prompt, messages, max_tokens, params, stream,
-                         bool(options.get("include_usage", False)))
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' takes at most {MAX_STOP_STRINGS} strings")
+    if isinstance(stop, (str, list)) and any(
+            isinstance(s, str) and len(s) > MAX_STOP_LENGTH
+            for s in ([stop] if isinstance(stop, str) else stop)):
+        raise invalid("stop", f"stop strings are at most {MAX_STOP_LENGTH} characters")
+
+    kwargs: dict[str, Any] = {"max_tokens": 1}
+    for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                 "ignore_eos"):
+        if body.get(name) is not None:
+            kwargs[name] = body[name]
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
+    kwargs["logprobs"] = parse_logprobs(body, chat)
+    req = ParsedRequest(chat, prompt, messages, max_tokens, max_param,
+                        SamplingParams(), stream, include_usage)
+    try:
+        req.params = SamplingParams(**kwargs)
+    except InvalidParameter as e:
+        raise invalid(req.param_name(e.param), str(e), e.code) from e
+    n = req.params.n
+    best_of = body.get("best_of")
+    if not chat and best_of is not None and best_of != n:
+        raise unsupported("best_of", f"must equal n ({n}) if given: completions are not "
+                                     "ranked")
+    return req
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """OpenAI fields this server does not implement: refused unless their value asks for
+    nothing beyond plain text generation."""
+    def given(name: str) -> Any:
+        return body.get(name)
+
+    if chat:
+        fmt = given("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise unsupported("response_format", "supports only {\"type\": \"text\"}")
+        for name in ("functions", "tools"):
+            if given(name) not in (None, []):
+                raise unsupported(name, "is not supported: no tool or function calling")
+        for name in ("function_call", "tool_choice"):
+            if given(name) not in (None, "none"):
+                raise unsupported(name, "is not supported: no tool or function calling")
+        for name in ("parallel_tool_calls", "audio", "prediction", "reasoning_effort",
+                     "web_search_options", "verbosity"):
+            if given(name) is not None:
+                raise unsupported(name)
+        if given("modalities") not in (None, ["text"]):
+            raise unsupported("modalities", "supports only [\"text\"]")
+    else:
+        if given("echo") not in (None, False):
+            raise unsupported("echo")
+        if given("suffix") not in (None, ""):
+            raise unsupported("suffix")
+        best_of = given("best_of")
+        if best_of is not None and not _is_int(best_of):
+            raise invalid("best_of", f"'best_of' must be an integer, got {short(best_of)}")
+
+
+def parse_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) for t in prompt):
+            raise invalid("prompt", "'prompt' must be a string, or a list of token ids "
+                                    "(one prompt per request)")
+        return prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids")
+    return prompt
+
+
+def parse_logit_bias(bias: Any) -> dict[int, Any]:
+    """OpenAI sends token ids as JSON object keys, so strings."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", f"'logit_bias' must be an object mapping token ids to "
+                                    f"numbers, got {short(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[0-9]{1,18}", key.strip()):
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids (non-negative "
+                                        f"integers), got {short(key)}")
+        out[int(key)] = value
+    return out
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs: the number of top alternatives per token, None for none.
+    Completions: `logprobs` is that number. Chat: `logprobs` (boolean) turns them on and
+    `top_logprobs` is the number."""
+    if not chat:
+        value = body.get("logprobs")
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            raise invalid("logprobs", f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], "
+                                      f"got {short(value)}")
+        return value
+    on = _optional(body, "logprobs", bool, "a boolean")
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise invalid("top_logprobs", f"'top_logprobs' must be an integer in [0, "
+                                      f"{MAX_LOGPROBS}], got {short(top)}")
+    if top is not None and not on:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if on else None
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", "messages")
+        raise invalid("messages", "'messages' must be a non-empty list")
     out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, "each message needs a 'role' and 'content'", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid("messages", f"messages[{i}] must be an object")
+        for key in m:
+            if key not in _MESSAGE_FIELDS:
+                raise invalid("messages", f"messages[{i}]: field {short(key)} is not supported")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid("messages", f"messages[{i}].role must be one of "
+                                      f"{', '.join(CHAT_ROLES)}; got {short(role)}")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and
-                       isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, "only text content parts are supported", "messages")
+                       isinstance(p.get("text"), str) and set(p) <= {"type", "text"}
+                       for p in content):
+                raise invalid("messages", f"messages[{i}]: only text content parts are "
+                                          "supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise APIError(400, "message 'content' must be a string", "messages")
-        out.append({"role": m["role"], "content": content})
+            raise invalid("messages", f"messages[{i}].content must be a string or a list of "
+                                      "text parts")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise invalid("messages", f"messages[{i}].{key} must be a string")
+        # developer messages are system messages for models without that role
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+# --- responses ------------------------------------------------------------------------------
 
 
 def new_id(chat: bool) -> str:
@@ -139,23 +339,54 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(req_id: str, model: str, chat: bool, text: str, finish_reason: str,
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def completion_logprobs(items: list[TokenLogprobs], starts: list[int], token_text
+                        ) -> dict[str, Any]:
+    """OpenAI's completions shape; `starts`: each token's character offset in the text."""
+    return {"tokens": [token_text(t.token_id)[0] for t in items],
+            "token_logprobs": [_lp(t.logprob) for t in items],
+            "top_logprobs": [{token_text(i)[0]: _lp(v) for i, v in t.top} for t in items],
+            "text_offset": starts}
+
+
+def chat_logprobs(items: list[TokenLogprobs], token_text) -> dict[str, Any]:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}], ...}."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": raw}
+
+    return {"content": [{**entry(t.token_id, t.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in t.top]} for t in items],
+            "refusal": None}
+
+
+def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str, Any]],
                     prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    """`choices`: {index, text, finish_reason, logprobs}, in index order."""
+    out = []
+    for c in choices:
+        choice: dict[str, Any] = {"index": c["index"], "logprobs": c.get("logprobs"),
+                                  "finish_reason": c["finish_reason"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c["text"]}
+        else:
+            choice["text"] = c["text"]
+        out.append(choice)
     return {"id": req_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
+            "created": int(time.time()), "model": model, "choices": out,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(req_id: str, model: str, chat: bool, text: str | None,
-               finish_reason: str | None, role: bool = False) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+               finish_reason: str | None, role: bool = False, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
     if chat:
-        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
         choice["delta"] = delta
