@@ -17,8 +17,8 @@ from nanoserve.engine.sampler import (
     candidates,
     derive_seed,
     sample,
-    uniform,
     uniform_reference,
+    uniforms,
 )
 
 VOCAB = 320
@@ -67,15 +67,13 @@ def batched_filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -
     return out.scatter_(1, order, probs)
 
 
-def test_counter_based_uniform_equals_its_integer_reference():
-    seeds = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 12345678901234567890, derive_seed(-5, 3)]
+def test_counter_based_uniforms_equal_their_integer_reference():
+    seeds = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 12345678901234567890, derive_seed(-5, 3), -7]
     positions = [0, 1, 7, 4095, 131071, 2**40]
-    s = torch.tensor([x - 2**64 if x >= 2**63 else x for x in seeds for _ in positions])
-    p = torch.tensor([q for _ in seeds for q in positions])
-    got = uniform(s, p).tolist()
+    got = uniforms([x for x in seeds for _ in positions], [q for _ in seeds for q in positions])
     want = [uniform_reference(x, q) for x in seeds for q in positions]
-    assert got == want
-    assert all(0.0 <= u < 1.0 for u in got) and len(set(got)) == len(got)
+    assert got.tolist() == want
+    assert all(0.0 <= u < 1.0 for u in want) and len(set(want)) == len(want)
 
 
 def test_top_k_top_p_min_p_masks_equal_the_per_row_reference():
@@ -285,3 +283,44 @@ def test_plain_greedy_batches_upload_nothing():
     assert build_sampling_tensors(rows([SamplingParams(temperature=0.0)] * 3), VOCAB,
                                   torch.device("cpu")) is None
     assert tensors([SamplingParams(temperature=0.0, logprobs=0)]) is not None
+
+
+def test_prefix_sums_search_equals_a_full_cumsum_across_chunks():
+    """Integer-valued rows (sums exact in float32) spanning several chunks: every count and
+    every prefix equals what searchsorted over a plain cumsum gives."""
+    from nanoserve.engine.sampler import CHUNK, PrefixSums
+
+    g = torch.Generator().manual_seed(16)
+    probs = torch.randint(0, 4, (6, 5 * CHUNK), generator=g).float()
+    probs[2, :3 * CHUNK] = 0  # empty chunks before the mass
+    cdf = probs.cumsum(-1)
+    sums = PrefixSums(probs)
+    for q in range(40):
+        x = torch.rand(6, generator=g) * cdf[:, -1] * 1.1
+        if q % 2:
+            x = cdf.gather(1, torch.randint(0, 5 * CHUNK, (6, 1), generator=g)).squeeze(1)
+        for right in (False, True):
+            want = torch.searchsorted(cdf, x[:, None], right=right).squeeze(1)
+            assert torch.equal(sums.count(x, right=right), want), (q, right)
+        i = torch.randint(0, 5 * CHUNK, (6,), generator=g)
+        assert torch.equal(sums.through(i), cdf.gather(1, i[:, None]).squeeze(1))
+    assert torch.equal(sums.total, cdf[:, -1])
+
+
+def test_masks_are_exact_and_draws_stay_inside_them_at_a_wide_vocabulary():
+    g = torch.Generator().manual_seed(17)
+    vocab = 2500  # three chunks
+    logits = torch.randn(4, vocab, generator=g) * 0.3  # flat: the nucleus spans chunks
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.7, top_p=0.5, min_p=0.6, seed=2),
+              SamplingParams(temperature=1.2, top_k=1500, top_p=0.99, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.9, seed=4)]
+    got = batched_filtered_probs(logits, params)
+    for i, p in enumerate(params):
+        ref = reference_filtered_probs(logits[i], p)
+        assert torch.equal(got[i] > 0, ref > 0), i
+        assert 30 < int((ref > 0).sum()) < vocab or p.min_p > 0, i
+    for seed in range(50):
+        rows_ = rows(params, seeds={i: seed * 10 + i for i in range(4)})
+        drawn = sample(logits, build_sampling_tensors(rows_, vocab, torch.device("cpu")))
+        assert all(got[i, tok] > 0 for i, tok in enumerate(drawn.token_ids))

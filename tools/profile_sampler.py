@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--profile", default="t0.8 top_p0.95",
+                    help="configuration whose kernels the torch profiler lists")
     a = ap.parse_args()
     dev = torch.device("cuda")
     logits = (torch.randn(a.batch_size, a.vocab, device=dev) * 4).to(torch.bfloat16).float()
@@ -49,11 +51,19 @@ def main() -> None:
         seqs = [SimpleNamespace(params=p, seed=i, token_ids=ids, num_tokens=len(ids),
                                 num_prompt_tokens=512) for i in range(a.batch_size)]
 
-        def step(seqs=seqs):
-            sample(logits, build_sampling_tensors(seqs, a.vocab, dev, pin=True))
+        def step(seqs=seqs):  # a bf16 model's logits: sorted as bf16, as the engine does
+            sample(logits, build_sampling_tensors(seqs, a.vocab, dev, pin=True),
+                   torch.bfloat16)
 
         step()
         print(f"{name:28s} {time_ms(step):7.3f} ms per step (batch {a.batch_size})")
+        if name == a.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    step()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
+                                            max_name_column_width=60))
     print(f"{'torch.sort alone':28s} "
           f"{time_ms(lambda: torch.sort(logits, dim=-1, descending=True)):7.3f} ms")
     print(f"{'torch.topk(50) alone':28s} {time_ms(lambda: torch.topk(logits, 50, dim=-1)):7.3f} ms")
