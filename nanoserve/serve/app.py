@@ -149,8 +149,9 @@ class Choice:
             self.sent_chars = max(self.sent_chars, len(final))
             hi = len(self.logprobs) if self.logprobs is not None else 0
         else:
+            safe_chars = max(safe_chars, self.sent_chars)
             text = self.detok.text[self.sent_chars:safe_chars]
-            self.sent_chars = max(self.sent_chars, safe_chars)
+            self.sent_chars = safe_chars
             hi = self.sent_logprobs
             if self.logprobs is not None:
                 while hi < min(len(self.ends), len(self.logprobs)) and \
