@@ -37,29 +37,133 @@ def shipped_config_dir(name: str) -> Path | None:
     return None
 
 
+def hub_id_problem(model: str) -> str | None:
+    """Why `model` is not a Hugging Face hub id of the form owner/name (None when it is one).
+    The characters and shapes refused are huggingface_hub's own: letters, digits, '-', '_' and
+    '.', no '--' or '..', no leading or trailing '-' or '.', at most 96 characters a part."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if model.count("/") != 1:
+        return "a hub id is owner/name, with exactly one '/'"
+    try:
+        validate_repo_id(model)
+    except HFValidationError as e:
+        return str(e)
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def resolve_model_dir(model: str | None, dummy_weights: bool = False) -> Path:
-    """A local directory holding config.json (and the weights unless dummy_weights)."""
+    """A local directory holding config.json (and the weights unless dummy_weights): the
+    embedded model, a local directory, a shipped config (dummy_weights), or a Hugging Face hub
+    id (owner/name), downloaded or found in the local Hugging Face cache (with HF_HUB_OFFLINE=1,
+    the cache only)."""
     if model in (None, "", "embedded", "tiny-qwen3"):
         return EMBEDDED_MODEL
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} has no config.json")
+            raise FileNotFoundError(f"model directory {path} has no config.json (a model "
+                                    f"directory holds a Hugging Face config.json and weights)")
         return path
     if dummy_weights and (shipped := shipped_config_dir(model)) is not None:
         return shipped
-    if path.suffix or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a Hugging Face hub id "
-            f"(owner/name); shipped configs for --dummy-weights: "
-            f"{sorted(d.name for d in SHIPPED_CONFIGS.iterdir())}")
-    from huggingface_hub import snapshot_download
+    if path.exists():
+        raise FileNotFoundError(f"model {model!r} is a file, not a model directory (a "
+                                f"directory holding config.json)")
+    problem = hub_id_problem(model)
+    if problem is not None:
+        names = sorted(d.name for d in SHIPPED_CONFIGS.iterdir())
+        hint = (f"; {model!r} is a shipped config: add --dummy-weights to run its shape with "
+                f"random weights" if shipped_config_dir(model) is not None else
+                f"; shipped configs for --dummy-weights: {names}")
+        if model.startswith((".", "/", "~")):  # meant as a path
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist (and a path "
+                                    f"is not a Hugging Face hub id, owner/name){hint}")
+        raise ValueError(f"model {model!r} is neither a local directory nor a Hugging Face hub "
+                         f"id (owner/name): {problem.rstrip('.')}{hint}")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
 
+    offline = constants.HF_HUB_OFFLINE or \
+        os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     patterns = HUB_CONFIG_PATTERNS if dummy_weights else HUB_PATTERNS
     try:
-        return Path(snapshot_download(model, allow_patterns=patterns))
+        return Path(snapshot_download(model, allow_patterns=patterns, local_files_only=offline))
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise FileNotFoundError(
+                f"model {model!r} is not in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set, so it cannot be "
+                f"downloaded: unset HF_HUB_OFFLINE to download it, or pass a local "
+                f"directory") from e
+        raise FileNotFoundError(f"could not fetch model {model!r} from the Hugging Face hub "
+                                f"and it is not in the local cache: {_one_line(e)}") from e
     except Exception as e:  # network, auth, missing repo: all surface as one clear error
-        raise FileNotFoundError(f"could not fetch model {model!r} from the hub: {e}") from e
+        raise FileNotFoundError(f"could not fetch model {model!r} from the Hugging Face hub: "
+                                f"{_one_line(e)}") from e
+
+
+def num_model_params(cfg: ModelConfig) -> int:
+    """Parameters of the model nanoserve builds for `cfg` (biases and q/k norms included)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    layer = (h * qkv_out + (qkv_out if cfg.qkv_bias else 0)  # qkv_proj
+             + cfg.num_heads * d * h  # o_proj
+             + (2 * d if cfg.qk_norm else 0)  # q_norm, k_norm
+             + 2 * h * i + i * h  # gate_up_proj, down_proj
+             + 2 * h)  # input and post-attention norms
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_layers * layer + embeddings + h  # + the final norm
+
+
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0) -> int:
+    """Bytes of the built model: weights in `dtype` plus the fp32 RoPE table of `max_len`."""
+    return num_model_params(cfg) * dtype.itemsize + max_len * cfg.head_dim * 4
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for the model on `device` now: MemAvailable from /proc/meminfo on the CPU,
+    free device memory on CUDA; None where it cannot be told."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f
+                            if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB ({n / 2**30:.1f} GiB)"
+
+
+def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                     max_len: int = 0) -> None:
+    """Raises ValueError, before anything is allocated, when the model cannot fit the memory
+    available on `device`, naming the bytes needed and available (and --dtype bfloat16 when
+    the model is in float32 and would fit in bfloat16)."""
+    device = torch.device(device)
+    avail = available_memory(device)
+    need = model_bytes(cfg, dtype, max_len)
+    if avail is None or need <= avail:
+        return
+    where = "of RAM is available (MemAvailable)" if device.type == "cpu" else \
+        f"is free on {device}"
+    text = (f"the model does not fit: its weights need {_gb(need)} in "
+            f"{str(dtype).removeprefix('torch.')} but only {_gb(avail)} {where}")
+    half = model_bytes(cfg, torch.bfloat16, max_len)
+    if dtype == torch.float32 and half <= avail:
+        text += f"; use --dtype bfloat16 (dtype='bfloat16'), which needs {_gb(half)}"
+    else:
+        text += "; use a smaller model or a machine with more memory"
+    raise ValueError(text)
 
 
 def build_model(cfg: ModelConfig, max_len: int, dtype: torch.dtype,
@@ -153,6 +257,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
 def load_model(model_dir: Path, max_len: int, dtype: torch.dtype, device: torch.device,
                dummy_weights: bool = False, seed: int = 0, progress: bool = True) -> CausalLM:
     cfg = ModelConfig.from_dir(model_dir)
+    check_model_fits(cfg, dtype, device, max_len)  # refuse before allocating anything
     model = build_model(cfg, max_len, dtype, device)
     if dummy_weights:
         init_dummy_weights(model, seed)
