@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import sys
 import time
+from typing import NoReturn
 
 import click
 
 from nanoserve.config import EngineConfig
 from nanoserve.sampling_params import SamplingParams
+
+DEMO_INPUT_LEN = 1024  # generate with neither --prompt nor --input-len: a needle prompt this long
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses inf and nan (click's FloatRange lets both through)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number.", param, ctx)
+        return rv
+
+
+def fail(e: BaseException) -> NoReturn:
+    """An error that is not a usage error: one line on stderr, exit status 1."""
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
 
 
 def engine_options(f):
@@ -23,19 +47,22 @@ def engine_options(f):
                      help="Random weights built on the device from the config alone."),
         click.option("--dtype", default="auto", show_default=True,
                      help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32."),
-        click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto."),
-        click.option("--max-model-len", type=int, default=None,
+        click.option("--device", default="auto", show_default=True,
+                     help="auto (cuda when available), cpu, cuda or cuda:N."),
+        click.option("--max-model-len", type=click.IntRange(min=2), default=None,
                      help="Longest prompt + output, in tokens [default: the model's maximum; "
                           "generate --input-len: input + output length]."),
-        click.option("--gpu-kv-budget", type=float, default=None,
+        click.option("--gpu-kv-budget", type=FiniteFloat(min=0), default=None,
                      help="GiB of device memory for the KV cache (emulates a smaller GPU). "
                           "Default: free memory x --gpu-memory-utilization after a warm-up."),
-        click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True),
-        click.option("--page-size", type=int, default=256, show_default=True,
-                     help="Tokens per KV page."),
-        click.option("--max-num-seqs", type=int, default=None,
+        click.option("--gpu-memory-utilization", type=FiniteFloat(0, 1, min_open=True),
+                     default=0.90, show_default=True),
+        click.option("--page-size", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="Tokens per KV page (a power of two)."),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
                      help="Most sequences in one batch [default: 64; generate: --batch-size]."),
-        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192,
+                     show_default=True,
                      help="Prefill tokens per step (the chunk size of chunked prefill)."),
         click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off."),
         click.option("--attention-backend", default="auto", show_default=True,
@@ -43,11 +70,11 @@ def engine_options(f):
         click.option("--enable-offload", is_flag=True,
                      help="Keep KV of layers that do not fit the GPU budget in pinned host "
                           "memory and stream it through GPU ring buffers."),
-        click.option("--host-kv-budget", type=float, default=None,
+        click.option("--host-kv-budget", type=FiniteFloat(min=0, min_open=True), default=None,
                      help="GiB of pinned host memory for offloaded KV (default: from free RAM)."),
-        click.option("--num-kv-buffers", type=int, default=2, show_default=True,
+        click.option("--num-kv-buffers", type=click.IntRange(min=2), default=2, show_default=True,
                      help="GPU ring-buffer slots for streamed layers (prefetch depth + 1)."),
-        click.option("--resident-layers", type=int, default=None,
+        click.option("--resident-layers", type=click.IntRange(min=0), default=None,
                      help="With --enable-offload: force this many layers resident (the rest "
                           "stream) instead of as many as the GPU budget holds."),
         click.option("--seed", type=int, default=0, show_default=True,
@@ -78,56 +105,89 @@ def main() -> None:
 
 @main.command()
 @engine_options
-@click.option("--prompt", default=None, help="Prompt text (needs a model with a tokenizer).")
-@click.option("--input-len", type=int, default=None,
+@click.option("--prompt", default=None,
+              help="Prompt text (needs a model with a tokenizer). With neither --prompt nor "
+                   f"--input-len: a {DEMO_INPUT_LEN:,}-token needle-in-a-haystack prompt.")
+@click.option("--input-len", type=click.IntRange(min=1), default=None,
               help="A synthetic prompt of exactly this many tokens instead of --prompt: a "
                    "needle-in-a-haystack prompt for a model with a tokenizer and real weights "
                    "(the answer shows whether it read the context), random tokens otherwise.")
-@click.option("--output-len", type=int, default=64, show_default=True,
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens to generate per request.")
-@click.option("--batch-size", type=int, default=1, show_default=True,
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests to run together.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="0 is greedy.")
+              help="0 to 2, 0 is greedy.")
 @click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1].")
 @click.option("--ignore-eos/--stop-at-eos", default=None,
               help="Default: ignore EOS with random-token prompts (fixed-length benchmark "
                    "runs), stop at EOS otherwise.")
 def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_p, ignore_eos,
              **kw) -> None:
-    """Generate from one prompt (or a batch of synthetic prompts) and report timings."""
+    """Generate from one prompt (or a batch of synthetic prompts) and report timings.
+
+    With neither --prompt nor --input-len it runs a short needle-in-a-haystack prompt (a
+    secret number hidden in filler text, then a question about it) and shows whether the
+    answer found the number."""
     import torch
 
     from nanoserve.llm import LLM
+    from nanoserve.models.config import ModelConfig
+    from nanoserve.models.loader import resolve_model_dir
 
-    if input_len is not None:  # size the engine to the workload
-        kw["max_model_len"] = kw["max_model_len"] or input_len + output_len
-        kw["max_num_seqs"] = kw["max_num_seqs"] or batch_size
-    if batch_size < 1:
-        raise click.UsageError("--batch-size must be >= 1")
+    if prompt == "":
+        raise click.UsageError("--prompt is empty: give the prompt text, or leave --prompt "
+                               "out for the default needle prompt")
+    if prompt is not None and input_len is not None:
+        raise click.UsageError("--prompt and --input-len exclude each other: give one")
+    limit = kw["max_model_len"]
+    if limit is not None:  # checks that need no model
+        check_lengths(input_len, output_len, limit, f"--max-model-len {limit}")
+    kw["max_num_seqs"] = kw["max_num_seqs"] or batch_size
     try:
         cfg = build_config(kw)
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=output_len)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     try:
+        model_dir = resolve_model_dir(cfg.model, cfg.dummy_weights)
+        model_max = ModelConfig.from_dir(model_dir).max_position_embeddings
+    except (ValueError, OSError, KeyError) as e:
+        fail(e)
+    demo = prompt is None and input_len is None
+    if limit is None:
+        # the model's context binds, except a synthetic prompt with dummy weights, which may
+        # run a real model's shape beyond it (benchmarks)
+        synthetic = input_len is not None or demo
+        if not (cfg.dummy_weights and synthetic):
+            check_lengths(input_len, output_len, model_max,
+                          f"the model's context length {model_max} (max_position_embeddings)")
+    if demo:
+        input_len = min(DEMO_INPUT_LEN, (limit or model_max) - output_len)
+    if input_len is not None and limit is None:  # size the engine to the workload
+        cfg = dataclasses.replace(cfg, max_model_len=input_len + output_len)
+    cfg = dataclasses.replace(cfg, model=str(model_dir))  # resolved once: no second hub call
+    try:
         llm = LLM.from_config(cfg)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+    except (ValueError, OSError, KeyError) as e:
+        fail(e)
     engine = llm.engine
-    needles = []
-    if input_len is not None and engine.tokenizer is not None and not cfg.dummy_weights:
-        # a model that can read gets a needle prompt: its answer shows it read the context
-        from nanoserve.needle import NeedleBuilder
+    needles, why_random = [], ""
+    if input_len is not None:
+        if engine.tokenizer is None:
+            why_random = "the model has no tokenizer"
+        elif cfg.dummy_weights:
+            why_random = "dummy weights cannot read a needle prompt"
+        else:  # a model that can read gets a needle prompt: its answer shows it read it
+            from nanoserve.needle import NeedleBuilder
 
-        builder, rng = NeedleBuilder(engine.tokenizer), random.Random(kw["seed"])
-        try:
-            needles = [builder.build(input_len, (i + 0.5) / batch_size, rng)
-                       for i in range(batch_size)]
-        except ValueError:
-            needles = []  # too short for a needle: random tokens
+            builder, rng = NeedleBuilder(engine.tokenizer), random.Random(kw["seed"])
+            try:
+                needles = [builder.build(input_len, (i + 0.5) / batch_size, rng)
+                           for i in range(batch_size)]
+            except ValueError:
+                why_random = f"{input_len} tokens are too few for a needle prompt"
         prompts = [n.token_ids for n in needles]
     if input_len is not None and not needles:
         vocab = engine.model_config.vocab_size
@@ -137,7 +197,7 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
         prompts = [torch.randint(0, vocab, (input_len,), generator=g).tolist()
                    for _ in range(batch_size)]
     elif input_len is None:
-        prompts = [prompt or "The capital of France is"] * batch_size
+        prompts = [prompt] * batch_size
     if ignore_eos is None:  # random-token benchmark prompts run to --output-len
         ignore_eos = input_len is not None and not needles
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -147,6 +207,12 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
                f"{cfg.torch_dtype}, attention {engine.runner.backend.name}, "
                f"graphs {'on' if engine.runner.graphs else 'off'}")
     click.echo(engine.describe_memory())
+    if needles:
+        describe_needle(needles, input_len, demo)
+    elif input_len is not None:
+        click.echo(f"prompt: {input_len:,} random token ids per request ({why_random})")
+    else:
+        click.echo(f"prompt: {prompt}")
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -161,9 +227,13 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     click.echo(text)
     click.echo("-" * 80)
     if needles:
-        found = sum(n.secret in o.text for n, o in zip(needles, outputs, strict=True))
-        click.echo(f"needle prompts: the secret number was found in {found} of {len(needles)} "
-                   f"answers (request 1: {needles[0].secret} at depth {needles[0].depth:.2f})")
+        found = [n.secret in o.text for n, o in zip(needles, outputs, strict=True)]
+        if len(needles) == 1:
+            click.echo(f"needle: the answer {'found' if found[0] else 'did NOT find'} the "
+                       f"secret number {needles[0].secret}")
+        else:
+            click.echo(f"needle: the answers found the secret number in {sum(found)} of "
+                       f"{len(needles)} requests")
     n_in = sum(len(o.prompt_token_ids) for o in done)
     n_out = sum(len(o.token_ids) for o in done)
     ttft = max(o.ttft_s for o in done)
@@ -176,13 +246,37 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     sys.exit(1 if failed else 0)
 
 
+def check_lengths(input_len: int | None, output_len: int, limit: int, what: str) -> None:
+    """Usage errors for prompt and output lengths that cannot fit `limit` tokens together."""
+    if output_len >= limit:
+        raise click.UsageError(f"--output-len {output_len} does not fit {what}: prompt and "
+                               f"output share it, so the output can be at most {limit - 1} "
+                               f"tokens")
+    if input_len is not None and input_len + output_len > limit:
+        raise click.UsageError(f"--input-len {input_len} + --output-len {output_len} = "
+                               f"{input_len + output_len} tokens do not fit {what}")
+
+
+def describe_needle(needles: list, input_len: int, demo: bool) -> None:
+    from nanoserve.needle import NEEDLE, QUESTION
+
+    n = needles[0]
+    origin = " (the default demo; --prompt TEXT or --input-len N for your own)" if demo else ""
+    which = f"request 1 of {len(needles)}: " if len(needles) > 1 else ""
+    click.echo(f"prompt: a {input_len:,}-token needle-in-a-haystack prompt{origin}")
+    click.echo(f"  {which}filler sentences hide \"{NEEDLE.format(secret=n.secret)}\" at depth "
+               f"{n.depth:.2f} (token {n.needle_start:,}), then the question:")
+    click.echo(f"  {QUESTION}")
+
+
 @main.command()
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", default=None,
               help="Model name clients send [default: --model, or the embedded model's name].")
-@click.option("--default-max-tokens", type=int, default=256, show_default=True,
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=256,
+              show_default=True,
               help="Output cap for chat requests that give no max_tokens.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -199,10 +293,12 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, **kw) ->
 
     try:
         cfg = build_config(kw)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    try:
         llm = LLM.from_config(cfg)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+    except (ValueError, OSError, KeyError) as e:
+        fail(e)
     engine = llm.engine
     name = served_model_name or kw["model"] or engine.model_dir.name
     click.echo(f"model {engine.model_dir} served as {name!r}, max_model_len "
@@ -212,6 +308,7 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, **kw) ->
     app = build_app(AsyncEngine(engine), name, default_max_tokens)
     run_server(app, host, port, log_level)
     click.echo("nanoserve: shut down cleanly")
+
 
 if __name__ == "__main__":
     main()
