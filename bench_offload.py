@@ -3,10 +3,14 @@ measured ceilings (PCIe host->device, device memory, bf16 matmul), in one run.
 
     python bench_offload.py --input-len 16384 --bench-all
     python bench_offload.py --model Qwen3-8B --input-len 4096,16384,32768 --batch-size 1,4
+    python bench_offload.py --input-len 16384 --batch-size 1,16 --sampled   # greedy vs sampled
 
-Reports per mode: TTFT, prefill tok/s, TPOT median/p90 (decode steps only), decode tok/s, peak
-GPU memory, host->device bytes per decode step, layers resident/streamed, and the ratio of each
-figure to its floor. Writes bench.json and bench.png into --out.
+Reports per mode: TTFT, prefill tok/s, TPOT median/p90 (decode steps only), decode tok/s,
+output tok/s (all output tokens over the whole run), peak GPU memory, host->device bytes per
+decode step, layers resident/streamed, and the ratio of each figure to its floor. Runs decode
+greedily unless --temperature / --top-p / --top-k say otherwise; --sampled runs every
+configuration twice, greedy and sampled, and reports sampled / greedy ratios of TPOT and output
+tok/s. Writes bench.json and bench.png into --out.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -76,8 +81,50 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     return (cfg.num_params() - emb) * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
 
 
+# --- sampling --------------------------------------------------------------------------------
+SAMPLED_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=-1)
+
+
+def sampling_runs(args) -> list[tuple[str, dict]]:
+    """(label, sampling parameters) of each run of a configuration: greedy, or the given
+    sampling, or with --sampled both (the sampled run defaulting to temperature 0.8, top_p 0.95).
+    """
+    given = {k: getattr(args, k) for k in SAMPLED_DEFAULTS}
+    greedy = dict(temperature=0.0, top_p=1.0, top_k=-1)
+    def label(params: dict) -> str:
+        return "greedy" if SamplingParams(**params).greedy else "sampled"
+
+    if args.sampled:
+        sampled = {k: SAMPLED_DEFAULTS[k] if v is None else v for k, v in given.items()}
+        return [("greedy", greedy), (label(sampled), sampled)]
+    params = {k: greedy[k] if v is None else v for k, v in given.items()}
+    return [(label(params), params)]
+
+
+def sampling_label(params: dict) -> str:
+    """'greedy' or e.g. 't0.8 p0.95' for a row or a sampling dict."""
+    params = {k: params[k] for k in SAMPLED_DEFAULTS}
+    if SamplingParams(**params).greedy:
+        return "greedy"
+    text = f"t{params['temperature']:g} p{params['top_p']:g}"
+    return text + (f" k{params['top_k']}" if params["top_k"] > 0 else "")
+
+
+def add_sampling_ratios(rows: list[dict]) -> None:
+    """Sampled rows get their TPOT and output tok/s over the greedy row of the same mode,
+    context and batch."""
+    greedy = {(r["mode"], r["input_len"], r["batch"]): r for r in rows
+              if r.get("sampling") == "greedy" and not r.get("skipped")}
+    for r in rows:
+        g = greedy.get((r["mode"], r["input_len"], r["batch"]))
+        if r.get("sampling") == "sampled" and not r.get("skipped") and g is not None:
+            r["tpot_vs_greedy"] = r["tpot_ms_median"] / g["tpot_ms_median"]
+            r["output_tok_s_vs_greedy"] = r["output_tok_s"] / g["output_tok_s"]
+
+
 # --- one run ---------------------------------------------------------------------------------
-def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil: dict) -> dict:
+def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil: dict,
+             sampling: tuple[str, dict] | None = None) -> dict:
     kw = dict(MODES[mode])
     if kw.get("enable_offload"):
         kw["resident_layers"] = args.resident_layers
@@ -85,8 +132,10 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
             kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
     elif args.gpu_kv_budget is not None and args.force_budget_resident:
         kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
               max_model_len=input_len + args.output_len, max_num_seqs=batch, **kw)
     engine, runner = llm.engine, llm.engine.runner
@@ -95,9 +144,11 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         raise ValueError(f"does not fit: {need} KV pages needed, the budgets hold "
                          f"{engine.allocator.capacity}")
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    seqs = [engine.add_request(torch.randint(0, cfg.vocab_size, (input_len,), generator=g)
-                               .tolist(), params) for _ in range(batch)]
+    label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
+    params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
+    seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
+            engine.add_request(torch.randint(0, cfg.vocab_size, (input_len,), generator=g)
+                               .tolist(), params)]
     t0 = time.perf_counter()
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -117,14 +168,16 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     bytes_step = statistics.median(streamed) if streamed else 0
     tpot = statistics.median(steps)
     row = {
-        "mode": mode, "input_len": input_len, "batch": batch,
+        "mode": mode, "input_len": input_len, "batch": batch, "sampling": label,
+        **sampling_params,
         "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
         "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
         "tpot_ms_median": tpot * 1e3,
         "tpot_ms_p90": statistics.quantiles(steps, n=10)[-1] * 1e3 if len(steps) > 1 else
         tpot * 1e3,
         "decode_tok_s": batch / tpot,
-        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30,
+        "output_tok_s": sum(s.num_output_tokens for s in seqs) / (ttft + sum(steps)),
+        "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "h2d_bytes_per_step": bytes_step,
         "pcie_floor_ms": bytes_step / ceil["h2d_GBps"] / 1e6,
         "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
@@ -190,12 +243,13 @@ def run_hf(args, hf, cache: str, input_len: int, batch: int, cfg: ModelConfig,
     ttft = timed(1)
     total = timed(args.output_len)
     tpot = (total - ttft) / (args.output_len - 1)
-    return {"mode": f"hf-{cache}", "input_len": input_len, "batch": batch,
+    return {"mode": f"hf-{cache}", "input_len": input_len, "batch": batch, "sampling": "greedy",
+            "temperature": 0.0, "top_p": 1.0, "top_k": -1,
             "resident_layers": cfg.num_layers if cache == "default" else 0,
             "streamed_layers": 0 if cache == "default" else cfg.num_layers,
             "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
             "tpot_ms_median": tpot * 1e3, "tpot_ms_p90": float("nan"),
-            "decode_tok_s": batch / tpot,
+            "decode_tok_s": batch / tpot, "output_tok_s": batch * args.output_len / total,
             "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "h2d_bytes_per_step": 0.0, "pcie_floor_ms": 0.0, "hbm_floor_ms": 0.0,
             "prefill_floor_s": prefill_flops(cfg, input_len, batch) / ceil["bf16_TFLOPs"] / 1e12,
@@ -219,8 +273,8 @@ def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[d
             torch.cuda.empty_cache()
             rows.append(row)
             ours = next((r for r in rows if r["input_len"] == n and r["batch"] == b and not
-                         r.get("skipped") and r["mode"] == ("resident-graph" if cache ==
-                         "default" else "offload-graph")), None)
+                         r.get("skipped") and r.get("sampling") == "greedy" and r["mode"] ==
+                         ("resident-graph" if cache == "default" else "offload-graph")), None)
             if ours is not None and not row.get("skipped"):
                 ours[f"tpot_vs_hf_{cache}"] = ours["tpot_ms_median"] / row["tpot_ms_median"]
                 ours[f"ttft_vs_hf_{cache}"] = ours["ttft_s"] / row["ttft_s"]
@@ -239,29 +293,38 @@ def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
 def print_table(rows: list[dict], ceil: dict) -> None:
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
           f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
-    head = (f"{'mode':<15}{'ctx':>7}{'bs':>4}{'res/str':>9}{'TTFT s':>8}{'xFLOP':>7}"
-            f"{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
-            f"{'dec t/s':>9}{'H2D GB':>8}{'peak GiB':>9}")
+    head = (f"{'mode':<15}{'sampling':<12}{'ctx':>7}{'bs':>4}{'res/str':>9}{'TTFT s':>8}"
+            f"{'xFLOP':>7}{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
+            f"{'dec t/s':>9}{'out t/s':>9}{'H2D GB':>8}{'peak GiB':>9}")
     print(head)
     print("-" * len(head))
     rows = sorted(rows, key=lambda r: (r["input_len"], r["batch"]))
     for r in rows:
+        start = (f"{r['mode']:<15}{sampling_label(r) if 'temperature' in r else '':<12}"
+                 f"{r['input_len']:>7}{r['batch']:>4}")
         if r.get("skipped"):
-            print(f"{r['mode']:<15}{r['input_len']:>7}{r['batch']:>4}  {r['skipped']}")
+            print(f"{start}  {r['skipped']}")
             continue
         if r["mode"].startswith("hf-"):
-            print(f"{r['mode']:<15}{r['input_len']:>7}{r['batch']:>4}{'':>9}{r['ttft_s']:>8.2f}"
+            print(f"{start}{'':>9}{r['ttft_s']:>8.2f}"
                   f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
                   f"{r['tpot_ms_median']:>9.2f}{'':>8}{'':>8}{'':>7}{r['decode_tok_s']:>9.1f}"
-                  f"{'':>8}{r['peak_gpu_GiB']:>9.1f}")
+                  f"{r['output_tok_s']:>9.1f}{'':>8}{r['peak_gpu_GiB']:>9.1f}")
             continue
         floor = max(r["pcie_floor_ms"], r["hbm_floor_ms"])
-        print(f"{r['mode']:<15}{r['input_len']:>7}{r['batch']:>4}"
-              f"{r['resident_layers']:>5}/{r['streamed_layers']:<3}{r['ttft_s']:>8.2f}"
+        print(f"{start}{r['resident_layers']:>5}/{r['streamed_layers']:<3}{r['ttft_s']:>8.2f}"
               f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
               f"{r['tpot_ms_median']:>9.2f}{r['tpot_ms_p90']:>8.2f}{floor:>8.2f}"
-              f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}"
+              f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}{r['output_tok_s']:>9.1f}"
               f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r['peak_gpu_GiB']:>9.1f}")
+    sampled = [r for r in rows if "tpot_vs_greedy" in r]
+    if sampled:
+        print("\nsampled / greedy, same mode, context and batch (TPOT: lower is better; output "
+              "tok/s: higher is better):")
+        for r in sampled:
+            print(f"  {r['mode']:<15} {sampling_label(r):<11} ctx {r['input_len']:>6} bs "
+                  f"{r['batch']:>2}: TPOT {r['tpot_vs_greedy']:.3f}x, output tok/s "
+                  f"{r['output_tok_s_vs_greedy']:.3f}x")
     vs = [r for r in rows if any(k.startswith("tpot_vs_hf") for k in r)]
     if vs:
         print("\nnanoserve / transformers (lower is better; resident-graph vs default cache, "
@@ -283,6 +346,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     ok = [r for r in rows if not r.get("skipped") and r["batch"] == rows[0]["batch"]]
+    if any(r.get("sampling") == "greedy" for r in ok):  # one curve per mode: the greedy runs
+        ok = [r for r in ok if r.get("sampling") == "greedy"]
     for mode in [*MODES, "hf-default", "hf-offloaded"]:
         pts = sorted((r["input_len"], r["tpot_ms_median"]) for r in ok if r["mode"] == mode)
         if pts:
@@ -304,15 +369,29 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def int_list(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16], every item a positive integer."""
+    try:
+        items = [int(x) for x in text.split(",")]
+    except ValueError:
+        items = []
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got "
+                                         f"{text!r}")
+    return items
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_offload.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="Qwen3-8B",
                     help="model dir, hub id or shipped config (default: Qwen3-8B, dummy weights)")
     ap.add_argument("--dummy-weights", action="store_true",
                     help="random weights (implied for shipped configs)")
-    ap.add_argument("--input-len", default="16384", help="comma-separated context lengths")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--input-len", type=int_list, default=[16384],
+                    help="comma-separated context lengths")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens (at least 2)")
+    ap.add_argument("--batch-size", type=int_list, default=[1],
+                    help="comma-separated batch sizes")
     ap.add_argument("--bench-all", action="store_true", help="run every mode")
     for mode in MODES:
         ap.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
@@ -323,38 +402,68 @@ def main() -> None:
                          "by -1, the split follows the budget)")
     ap.add_argument("--force-budget-resident", action="store_true",
                     help="apply --gpu-kv-budget to resident modes too")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature, 0 to 2 (default: 0, greedy; with --sampled: "
+                         f"{SAMPLED_DEFAULTS['temperature']})")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help=f"top-p (default: 1; with --sampled: {SAMPLED_DEFAULTS['top_p']})")
+    ap.add_argument("--top-k", type=int, default=-1, help="top-k (default: -1, off)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="run every configuration twice, greedy and sampled (--temperature, "
+                         "--top-p, --top-k), and report the sampled / greedy ratios of TPOT "
+                         "and output tok/s")
     ap.add_argument("--compare-hf", action="store_true",
                     help="also run transformers generate() (default and offloaded cache) on "
-                         "the same weights and prompts")
+                         "the same weights and prompts (greedy)")
     ap.add_argument("--hf-max-len", type=int, default=32768,
                     help="with --compare-hf: longest context given to transformers")
     ap.add_argument("--out", default="docs/bench", help="folder for bench.json and bench.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.output_len < 2:
+        ap.error("--output-len must be >= 2 (TPOT needs a decode step)")
+    try:
+        runs = sampling_runs(args)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.sampled and runs[1][0] != "sampled":
+        ap.error("--sampled needs sampling parameters that sample (--temperature > 0, "
+                 "--top-k other than 1)")
     if args.resident_layers < 0:
         args.resident_layers = None
-    model_dir = resolve_model_dir(args.model, dummy_weights=True)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"bench_offload.py: needs a CUDA GPU, and torch {torch.__version__} sees none")
+    try:
+        model_dir = resolve_model_dir(args.model, dummy_weights=True)
+        cfg = ModelConfig.from_dir(model_dir)
+    except (ValueError, OSError) as e:
+        sys.exit(f"bench_offload.py: {e}")
     if "model_configs" in str(model_dir):
         args.dummy_weights = True
-    cfg = ModelConfig.from_dir(model_dir)
     modes = [m for m in MODES if args.bench_all or getattr(args, m.replace("-", "_"))]
     modes = modes or ["resident-graph", "offload-graph"]
-    lens = [int(x) for x in args.input_len.split(",")]
-    batches = [int(x) for x in args.batch_size.split(",")]
+    lens, batches = args.input_len, args.batch_size
+    runs = sampling_runs(args)
     ceil = measure_ceilings()
     torch.cuda.empty_cache()
     rows = []
-    combos = [(m, n, b) for n in lens for b in batches for m in modes]
-    for mode, n, b in tqdm(combos, desc="bench"):
+    combos = [(m, n, b, run) for n in lens for b in batches for m in modes for run in runs]
+    for mode, n, b, (label, params) in tqdm(combos, desc="bench"):
+        head = {"mode": mode, "input_len": n, "batch": b, "sampling": label, **params}
         if mode.startswith("resident") and not fits(args, cfg, n, b):
-            rows.append({"mode": mode, "input_len": n, "batch": b,
-                         "skipped": "KV does not fit the GPU: resident cannot run"})
+            rows.append({**head, "skipped": "KV does not fit the GPU: resident cannot run"})
             continue
         try:
-            rows.append(run_mode(args, mode, n, b, cfg, ceil))
+            rows.append(run_mode(args, mode, n, b, cfg, ceil, (label, params)))
         except (ValueError, torch.cuda.OutOfMemoryError) as e:
-            rows.append({"mode": mode, "input_len": n, "batch": b, "skipped": str(e)[:80]})
+            rows.append({**head, "skipped": str(e)[:80]})
             gc.collect()
             torch.cuda.empty_cache()
+    add_sampling_ratios(rows)
     if args.compare_hf:
         compare_hf(args, model_dir, cfg, ceil, rows,
                    [(n, b) for n in lens for b in batches if n <= args.hf_max_len])
@@ -363,7 +472,9 @@ def main() -> None:
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     (out / "bench.json").write_text(json.dumps(
-        {"machine": machine, "model": args.model, "ceilings": ceil, "rows": rows}, indent=1))
+        {"machine": machine, "model": args.model, "ceilings": ceil,
+         "sampling": [dict(label=label, **params) for label, params in runs], "rows": rows},
+        indent=1))
     plot(rows, out / "bench.png")
     print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), output {args.output_len}"
           f" tokens, {machine['date']}")

@@ -31,3 +31,90 @@ def test_hf_model_gets_nanoserves_dummy_weights(tmp_path, arch):
     # and they are not transformers' own random init (which the checkpoint holds)
     saved = LLM(str(tmp_path), progress=False, device="cpu", dtype="float32", max_model_len=64)
     assert (engine_prefill_logits(saved, ids) - theirs).abs().max() > 1e-2
+
+
+# --- sampling: greedy and sampled throughput from one run (issue 11 item 4) --------------------
+import bench_offload  # noqa: E402
+from bench_offload import (  # noqa: E402
+    add_sampling_ratios,
+    parse_args,
+    print_table,
+    run_mode,
+    sampling_runs,
+)
+from nanoserve.models.config import ModelConfig  # noqa: E402
+from nanoserve.models.loader import EMBEDDED_MODEL  # noqa: E402
+
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+CEIL = {"h2d_GBps": 1.0, "hbm_GBps": 1.0, "bf16_TFLOPs": 1.0}
+
+
+def test_sampling_runs_from_the_options():
+    assert sampling_runs(parse_args([])) == [("greedy", GREEDY)]
+    assert sampling_runs(parse_args(["--sampled"])) == [
+        ("greedy", GREEDY), ("sampled", {"temperature": 0.8, "top_p": 0.95, "top_k": -1})]
+    assert sampling_runs(parse_args(["--sampled", "--temperature", "1.2", "--top-k", "50"])) == [
+        ("greedy", GREEDY), ("sampled", {"temperature": 1.2, "top_p": 0.95, "top_k": 50})]
+    assert sampling_runs(parse_args(["--temperature", "0.7", "--top-p", "0.9"])) == [
+        ("sampled", {"temperature": 0.7, "top_p": 0.9, "top_k": -1})]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sampled", "--temperature", "0"], "--sampled needs sampling parameters that sample "
+                                          "(--temperature > 0, --top-k other than 1)"),
+    (["--temperature", "3"], "temperature must be a number in [0.0, 2.0], got 3.0"),
+    (["--input-len", "0"], "argument --input-len: expected positive integers separated by "
+                           "commas, got '0'"),
+    (["--output-len", "1"], "--output-len must be >= 2 (TPOT needs a decode step)"),
+])
+def test_bench_refuses_bad_options(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"bench_offload.py: error: {message}"
+
+
+def test_sampled_mode_runs_greedy_and_sampled_and_reports_ratios(monkeypatch, capsys):
+    made = []
+
+    class SpyParams(bench_offload.SamplingParams):
+        def __init__(self, **kw):
+            if "max_tokens" in kw:
+                made.append(kw)
+            super().__init__(**kw)
+
+    monkeypatch.setattr(bench_offload, "SamplingParams", SpyParams)
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "6",
+                       "--sampled"])
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    rows = [run_mode(args, "resident-eager", 48, 2, cfg, CEIL, run)
+            for run in sampling_runs(args)]
+    add_sampling_ratios(rows)
+    assert made == [{**GREEDY, "max_tokens": 6, "ignore_eos": True},
+                    {"temperature": 0.8, "top_p": 0.95, "top_k": -1, "max_tokens": 6,
+                     "ignore_eos": True}]
+    greedy, sampled = rows
+    assert (greedy["sampling"], greedy["temperature"]) == ("greedy", 0.0)
+    assert (sampled["sampling"], sampled["temperature"], sampled["top_p"]) == ("sampled", 0.8,
+                                                                               0.95)
+    assert "tpot_vs_greedy" not in greedy
+    assert sampled["tpot_vs_greedy"] == sampled["tpot_ms_median"] / greedy["tpot_ms_median"]
+    assert sampled["output_tok_s_vs_greedy"] == sampled["output_tok_s"] / greedy["output_tok_s"]
+    assert greedy["output_tok_s"] > 0 and sampled["output_tok_s"] > 0
+    print_table(rows, CEIL)
+    out = capsys.readouterr().out
+    assert (f"  resident-eager  t0.8 p0.95  ctx     48 bs  2: TPOT "
+            f"{sampled['tpot_vs_greedy']:.3f}x, output tok/s "
+            f"{sampled['output_tok_s_vs_greedy']:.3f}x") in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_without_cuda_is_one_clear_line():
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "bench_offload.py", "--input-len", "64"], cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (f"bench_offload.py: needs a CUDA GPU, and torch {torch.__version__} "
+                        f"sees none\n")
