@@ -145,6 +145,11 @@ def test_bodies_that_parse_badly_get_400(server, raw, endpoint, param):
 
 def test_invalid_utf8_and_the_server_still_serves(server):
     assert_error(post(server, "/v1/completions", raw=b'{"prompt": "\xff\xfe"}'), 400, None, None)
+    # a surrogate pair is one character, not a lone surrogate
+    r = post(server, "/v1/completions",
+             raw=b'{"prompt": "smile \\ud83d\\ude42", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(b"smile ") + 4
     assert_healthy(server)
 
 

@@ -114,12 +114,13 @@ class Choice:
         self.error: str | None = None
 
     def add(self, delta: Delta) -> None:
-        if not self.incremental:
+        if self.incremental:
+            for t in delta.token_ids:  # one at a time: each token's end offset is known
+                self.ids.append(t)
+                self.detok.add([t])
+                self._resolve()
+        else:
             self.ids += delta.token_ids
-        for t in delta.token_ids if self.incremental else ():
-            self.ids.append(t)  # one at a time: each token's end offset is known
-            self.detok.add([t])
-            self._resolve()
         if self.logprobs is not None and delta.logprobs:
             self.logprobs += delta.logprobs
         if delta.finish_reason is not None:
