@@ -88,7 +88,8 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(given, self.key):
                 e = APIError(401, "Incorrect API key provided: pass it as 'Authorization: "
                                   "Bearer <key>'", code="invalid_api_key",
-                             headers={"www-authenticate": "Bearer"})
+                             headers={"www-authenticate": "Bearer",
+                                      "connection": "close"})  # its body is not read
                 await error_response(e)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -170,6 +171,12 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256, *
     request bodies beyond it get 413 (None: default_max_body_bytes(max_model_len)).
     `max_waiting_requests`: sequences that may wait beyond the engine's max_num_seqs; more get
     503 with Retry-After. `body_timeout_s`: time to send a request body, else 408."""
+    if max_body_bytes is not None and max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if max_waiting_requests < 0:
+        raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     engine = ae.engine
     tokenizer = engine.tokenizer
     token_text = TokenText(tokenizer)
