@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
-# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [tests|needle|gen|bench|sweep]...
+# Usage (on the GPU machine, repo root):
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|sweep|sampling]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -31,5 +32,12 @@ for w in $what; do
              | grep -v "it/s\]" | tail -45 ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
+    sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice
+      run python3 tools/profile_sampler.py --profile none 2>&1 | tee "$OUT/sampler.log"
+      for i in 1 2; do
+        run python3 bench_offload.py --model Qwen3-8B --input-len 512 --output-len 128 \
+          --batch-size 64 --resident-graph --sampled --out "$OUT/sampled$i" 2>&1 \
+          | grep -v "it/s\]" | tail -12
+      done ;;
   esac
 done
