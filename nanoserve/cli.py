@@ -280,7 +280,22 @@ def describe_needle(needles: list, input_len: int, demo: bool) -> None:
               help="Output cap for chat requests that give no max_tokens.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(host, port, served_model_name, default_max_tokens, log_level, **kw) -> None:
+@click.option("--api-key", envvar="NANOSERVE_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics "
+                   "stay open).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
+              help="Largest request body, else 413 [default: max(1 MiB, 64 x max_model_len)].")
+@click.option("--max-waiting-requests", type=click.IntRange(min=0), default=1024,
+              show_default=True,
+              help="Sequences that may wait beyond --max-num-seqs; more get 503 with "
+                   "Retry-After.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True, max=3600),
+              default=30.0, show_default=True,
+              help="Seconds a client has to send its request body, else 408.")
+@click.option("--timeout-keep-alive", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
+def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
+          max_body_bytes, max_waiting_requests, body_timeout, timeout_keep_alive, **kw) -> None:
     """OpenAI-compatible HTTP server (completions, chat completions, streaming)."""
     try:
         from nanoserve.serve.app import build_app
@@ -305,8 +320,12 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, **kw) ->
                f"{engine.max_model_len}, device {cfg.torch_device}, graphs "
                f"{'on' if engine.runner.graphs else 'off'}")
     click.echo(engine.describe_memory())
-    app = build_app(AsyncEngine(engine), name, default_max_tokens)
-    run_server(app, host, port, log_level)
+    app = build_app(AsyncEngine(engine), name, default_max_tokens, api_key=api_key or None,
+                    max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
+                    body_timeout_s=body_timeout)
+    if api_key:
+        click.echo("API key required on /v1 routes")
+    run_server(app, host, port, log_level, timeout_keep_alive=timeout_keep_alive)
     click.echo("nanoserve: shut down cleanly")
 
 

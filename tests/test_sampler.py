@@ -29,7 +29,7 @@ def rows(params: list[SamplingParams], token_ids=None, seeds=None):
     out = []
     for i, p in enumerate(params):
         ids = token_ids[i] if token_ids else [1, 2, 3]
-        out.append(SimpleNamespace(params=p, seed=(seeds or {}).get(i, 1000 + i),
+        out.append(SimpleNamespace(params=p, seed=(seeds or {}).get(i, 1000 + i), seq_id=i,
                                    token_ids=ids, num_tokens=len(ids), num_prompt_tokens=2))
     return out
 
@@ -324,3 +324,33 @@ def test_masks_are_exact_and_draws_stay_inside_them_at_a_wide_vocabulary():
         rows_ = rows(params, seeds={i: seed * 10 + i for i in range(4)})
         drawn = sample(logits, build_sampling_tensors(rows_, vocab, torch.device("cpu")))
         assert all(got[i, tok] > 0 for i, tok in enumerate(drawn.token_ids))
+
+
+def test_token_stats_kept_up_to_date_equal_stats_built_afresh():
+    """Rows updated step by step (new tokens only), across eviction and release, hold what a
+    fresh build from the whole token lists holds."""
+    from nanoserve.engine.token_stats import TokenStats
+
+    cpu = torch.device("cpu")
+    pen = SamplingParams(presence_penalty=0.5)
+    g = torch.Generator().manual_seed(18)
+    seqs = [SimpleNamespace(seq_id=i, params=pen if i != 2 else SamplingParams(),
+                            token_ids=torch.randint(0, VOCAB, (5 + i,), generator=g).tolist(),
+                            num_prompt_tokens=5 + i) for i in range(4)]
+    live = TokenStats(VOCAB, capacity=2, device=cpu)  # 3 penalized sequences, 2 rows
+    for step in range(12):
+        batch = [seqs[step % 4], seqs[(step + 1) % 4]]
+        rows = live.rows_for(batch)
+        fresh = TokenStats(VOCAB, capacity=2, device=cpu)
+        fresh_rows = fresh.rows_for(batch)
+        assert torch.equal(live.counts[rows], fresh.counts[fresh_rows]), step
+        assert torch.equal(live.seen[rows], fresh.seen[fresh_rows]), step
+        for s in batch:  # each sequence gains a token, as after a decode step
+            s.token_ids.append(int(torch.randint(0, VOCAB, (1,), generator=g)))
+        if step == 6:
+            live.release(seqs[0].seq_id)
+    out = seqs[1].token_ids[seqs[1].num_prompt_tokens:]
+    row = live.rows_for([seqs[1]])
+    want = torch.bincount(torch.tensor(out), minlength=VOCAB).float()
+    assert torch.equal(live.counts[row][0], want) and want.sum() > 0
+    assert live.counts[0].sum() == 0 and not live.seen[0].any()  # row 0 stays zero

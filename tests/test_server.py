@@ -337,13 +337,15 @@ def test_models_health_metrics(server, client):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_serve_command_shuts_down_cleanly_on_sigterm():
-    """SIGTERM during a stream: the stream ends with an error event and [DONE], not a cut
+    """`nanoserve serve` with an API key from the environment: /v1 needs it, /health does not;
+    SIGTERM during a stream ends the stream with an error event and [DONE], not a cut
     connection, and the process exits 0."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nanoserve", "serve", "--device", "cpu", "--port", str(port),
          "--max-model-len", "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "NANOSERVE_API_KEY": "sk-test"})
+    auth = {"authorization": "Bearer sk-test"}
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -356,11 +358,14 @@ def test_serve_command_shuts_down_cleanly_on_sigterm():
                 pass
             assert time.time() < deadline
             time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions",
-                       json={"prompt": "The sky", "max_tokens": 5, "temperature": 0})
+        short = {"prompt": "The sky", "max_tokens": 5, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=short)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(url + "/v1/completions", json=short, headers=auth)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         body = {"prompt": "The sky", "max_tokens": 1000, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                          headers=auth) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)

@@ -138,6 +138,7 @@ class LLMEngine:
                 finished += self._run_one_by_one(batch, e)
         for seq in finished:
             self.sequences.pop(seq.seq_id, None)
+            self.runner.release(seq.seq_id)
         return finished
 
     def _run_one_by_one(self, batch: Batch, error: Exception) -> list[Sequence]:
@@ -167,6 +168,7 @@ class LLMEngine:
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
         self.sequences.pop(seq.seq_id, None)
+        self.runner.release(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

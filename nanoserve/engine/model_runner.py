@@ -11,6 +11,7 @@ from nanoserve.engine.graph_runner import DecodeGraphRunner, OffloadDecodeGraphR
 from nanoserve.engine.offload_hooks import OffloadHooks
 from nanoserve.engine.sampler import build_sampling_tensors, sample
 from nanoserve.engine.scheduler import Batch
+from nanoserve.engine.token_stats import TokenStats
 from nanoserve.kv.pages import DUMMY_PAGE, KVCache, bytes_per_page, pages_needed
 from nanoserve.models.decoder import CausalLM
 from offload import ResidencyPlan, plan_residency
@@ -43,6 +44,7 @@ class ModelRunner:
         for attn in model.attention_layers:
             attn.backend = self.backend
         self.pin = self.device.type == "cuda"
+        self.token_stats = TokenStats(self.mcfg.vocab_size, cfg.max_num_seqs, self.device)
 
         self.page_bytes = bytes_per_page(self.mcfg.num_layers, cfg.page_size,
                                          self.mcfg.num_kv_heads, self.mcfg.head_dim, self.dtype)
@@ -69,6 +71,10 @@ class ModelRunner:
             else:
                 self.graphs = OffloadDecodeGraphRunner(model, self.backend, self.offload,
                                                        *args[1:])
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished: drop its per-sequence sampling state."""
+        self.token_stats.release(seq_id)
 
     def bind_resident_kv(self) -> None:
         for i, attn in enumerate(self.model.attention_layers[:self.kv.data.shape[0]]):
@@ -165,7 +171,7 @@ class ModelRunner:
         # logits come from the model's dtype: a half-precision model's are exact in it
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
-                                                    self.pin), key_dtype)
+                                                    self.pin, self.token_stats), key_dtype)
         tokens = iter(out.token_ids)
         logprobs = iter(out.logprobs or [None] * len(seqs))
         batch.logprobs = [next(logprobs) if e else None for e in ends]

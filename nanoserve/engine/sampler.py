@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.engine.token_stats import TokenStats
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
@@ -86,8 +87,8 @@ class Penalties:
     presence: torch.Tensor  # f32 [B]
     frequency: torch.Tensor  # f32 [B]
     repetition: torch.Tensor  # f32 [B]
-    output_ids: torch.Tensor  # int64 [B, L] (pad: vocab)
-    context_ids: torch.Tensor  # int64 [B, L'] prompt and output (pad: vocab)
+    output_counts: torch.Tensor  # f32 [B, V]: occurrences of each token in the output
+    seen: torch.Tensor  # bool [B, V]: the token occurs in the prompt or the output
 
 
 def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -95,11 +96,12 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
 
 
-def build_sampling_tensors(seqs, vocab: int, device: torch.device,
-                           pin: bool = False) -> SamplingTensors | None:
-    """`seqs`: objects with `params` (SamplingParams), `seed`, `token_ids`,
-    `num_prompt_tokens`; each samples the token at position len(token_ids). None when every
-    row is plain greedy (nothing to upload)."""
+def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = False,
+                           stats: TokenStats | None = None) -> SamplingTensors | None:
+    """`seqs`: objects with `params` (SamplingParams), `seed`, `seq_id`, `token_ids`,
+    `num_prompt_tokens`; each samples the token at position len(token_ids). `stats`: the
+    engine's per-sequence token statistics (penalties); without them, built for this call.
+    None when every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
     if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
            for p in params):
@@ -125,12 +127,10 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device,
     if any(p.has_penalties for p in params):
         pen = put([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
                    for p in params], torch.float32)
-        out_ids = [s.token_ids[s.num_prompt_tokens:] if s.params.has_penalties else []
-                   for s in seqs]
-        ctx_ids = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
-        penalties = Penalties(pen[:, 0], pen[:, 1], pen[:, 2],
-                              put(_padded(out_ids, vocab), torch.int64),
-                              put(_padded(ctx_ids, vocab), torch.int64))
+        stats = stats or TokenStats(vocab, len(seqs), device)
+        rows = stats.rows_for(seqs, pin)
+        penalties = Penalties(pen[:, 0], pen[:, 1], pen[:, 2], stats.counts[rows],
+                              stats.seen[rows])
     logit_bias = None
     if any(p.logit_bias for p in params):
         items = [list((p.logit_bias or {}).items()) for p in params]
@@ -154,15 +154,10 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device,
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Repetition penalty as transformers' RepetitionPenaltyLogitsProcessor (over prompt and
     output), then OpenAI's presence and frequency penalties (over the output)."""
-    b, vocab = logits.shape
-    seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, pen.context_ids, True)
     r = pen.repetition[:, None]
     penalized = torch.where(logits < 0, logits * r, logits / r)
-    logits = torch.where(seen[:, :vocab], penalized, logits)
-    counts = torch.zeros(b, vocab + 1, dtype=torch.float32, device=logits.device)
-    counts.scatter_add_(1, pen.output_ids, torch.ones_like(pen.output_ids, dtype=torch.float32))
-    counts = counts[:, :vocab]
+    logits = torch.where(pen.seen, penalized, logits)
+    counts = pen.output_counts
     return (logits - pen.frequency[:, None] * counts
             - pen.presence[:, None] * (counts > 0).to(torch.float32))
 
