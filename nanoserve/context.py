@@ -1,11 +1,14 @@
 """Per-step metadata that reaches the attention layers without being threaded through forward().
 
-The model runner sets one ForwardContext before a forward pass and clears it after. Graph capture
-sets a context whose tensors are the graph's fixed-address inputs.
+The model runner enters one ForwardContext around a forward pass (`with forward_context(ctx):`).
+Graph capture enters a context whose tensors are the graph's fixed-address inputs.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -24,14 +27,23 @@ class ForwardContext:
     attn_meta: object = None  # owned by the attention backend
 
 
-_CONTEXT: ForwardContext | None = None
+_local = threading.local()  # per thread: two engines on two threads never see each other's
 
 
-def set_context(ctx: ForwardContext | None) -> None:
-    global _CONTEXT
-    _CONTEXT = ctx
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """The context of one forward pass (or one graph capture), for this thread only. Forward
+    passes do not nest: entering a second context is a bug, reported at once."""
+    if getattr(_local, "ctx", None) is not None:
+        raise RuntimeError("a forward context is already active on this thread")
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = None
 
 
 def get_context() -> ForwardContext:
-    assert _CONTEXT is not None, "no forward context set: call through the model runner"
-    return _CONTEXT
+    ctx = getattr(_local, "ctx", None)
+    assert ctx is not None, "no forward context: call through the model runner"
+    return ctx

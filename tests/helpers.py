@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.context import set_context
+from nanoserve.context import forward_context
 from nanoserve.kv.pages import pages_needed
 
 
@@ -16,12 +16,11 @@ def engine_prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
     pages = alloc.allocate(pages_needed(len(token_ids), runner.page_size))
     try:
         ctx = runner._prefill_context([pages], [0], [len(token_ids)])
-        set_context(ctx)
         runner.backend.prepare(ctx)
         dev = runner.device
-        hidden = runner.model(torch.tensor(token_ids, device=dev),
-                              torch.arange(len(token_ids), device=dev))
+        with forward_context(ctx):
+            hidden = runner.model(torch.tensor(token_ids, device=dev),
+                                  torch.arange(len(token_ids), device=dev))
         return runner.model.compute_logits(hidden).cpu()
     finally:
-        set_context(None)
         alloc.free(pages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from nanoserve.context import ForwardContext, set_context
+from nanoserve.context import ForwardContext, forward_context
 from nanoserve.kv.pages import DUMMY_PAGE
 
 
@@ -40,11 +40,10 @@ class DecodeGraphRunner:
             ctx = ForwardContext(False, self.slot_mapping[:bs], self.page_tables[:bs],
                                  context_lens=self.context_lens[:bs])
             backend.prepare_capture(ctx, bs)
-            set_context(ctx)
-            self._forward(bs)  # warm-up: autotuning and lazy init happen outside the capture
-            graph, pool = self._capture(bs, pool)
+            with forward_context(ctx):
+                self._forward(bs)  # warm-up: autotuning and lazy init happen outside capture
+                graph, pool = self._capture(bs, pool)
             self.graphs[bs] = (graph, ctx)
-            set_context(None)
         torch.cuda.synchronize()
 
     def _capture(self, bs: int, pool):

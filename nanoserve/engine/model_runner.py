@@ -6,7 +6,7 @@ import torch
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig
-from nanoserve.context import ForwardContext, set_context
+from nanoserve.context import ForwardContext, forward_context
 from nanoserve.engine.graph_runner import DecodeGraphRunner, OffloadDecodeGraphRunner
 from nanoserve.engine.offload_hooks import OffloadHooks
 from nanoserve.engine.sampler import build_sampling_tensors, sample
@@ -120,10 +120,9 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pages = list(range(1, self.kv.num_pages))
         ctx = self._prefill_context([pages], [0], [n])
-        set_context(ctx)
         self.backend.prepare(ctx)
-        self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device))[-1:])
-        set_context(None)
+        with forward_context(ctx):
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device))[-1:])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del self.kv
@@ -188,11 +187,10 @@ class ModelRunner:
         ctx = self._prefill_context([s.pages for s in batch.seqs],
                                     [s.num_cached for s in batch.seqs], batch.num_new_tokens)
         dev = self.device
-        set_context(ctx)
         self.backend.prepare(ctx)
-        hidden = self._forward(batch, self._tensor(ids).to(dev, non_blocking=True),
-                               self._tensor(pos).to(dev, non_blocking=True))
-        set_context(None)
+        with forward_context(ctx):
+            hidden = self._forward(batch, self._tensor(ids).to(dev, non_blocking=True),
+                                   self._tensor(pos).to(dev, non_blocking=True))
         rows = self._tensor(last_rows).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
@@ -220,10 +218,9 @@ class ModelRunner:
         ids, pos, slots, lens, table = (t.to(self.device, non_blocking=True)
                                         for t in self._decode_inputs(batch, n))
         ctx = ForwardContext(False, slots, table, context_lens=lens)
-        set_context(ctx)
         self.backend.prepare(ctx)
-        hidden = self._forward(batch, ids, pos)
-        set_context(None)
+        with forward_context(ctx):
+            hidden = self._forward(batch, ids, pos)
         return self.model.compute_logits(hidden)
 
     def _forward(self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
