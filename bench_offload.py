@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import config_default
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
 
@@ -383,9 +384,12 @@ def int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_offload.py", description=__doc__.split("\n\n")[0])
+    # engine settings: the config's defaults, except the model (a real one's shape) and
+    # --resident-layers (0: every layer streams; -1: the config's default, the split follows
+    # the budget)
     ap.add_argument("--model", default="Qwen3-8B",
                     help="model dir, hub id or shipped config (default: Qwen3-8B, dummy weights)")
-    ap.add_argument("--dummy-weights", action="store_true",
+    ap.add_argument("--dummy-weights", action="store_true", default=config_default("dummy_weights"),
                     help="random weights (implied for shipped configs)")
     ap.add_argument("--input-len", type=int_list, default=[16384],
                     help="comma-separated context lengths")
@@ -397,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
     ap.add_argument("--resident-layers", type=int, default=0,
                     help="offload modes: layers kept resident (default 0: every layer streams)")
-    ap.add_argument("--gpu-kv-budget", type=float, default=None,
+    ap.add_argument("--gpu-kv-budget", type=float, default=config_default("gpu_kv_budget_gib"),
                     help="offload modes: GPU KV budget in GiB (with --resident-layers unset "
                          "by -1, the split follows the budget)")
     ap.add_argument("--force-budget-resident", action="store_true",
@@ -429,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--sampled needs sampling parameters that sample (--temperature > 0, "
                  "--top-k other than 1)")
     if args.resident_layers < 0:
-        args.resident_layers = None
+        args.resident_layers = config_default("resident_layers")
     return args
 
 

@@ -7,6 +7,7 @@ import math
 import random
 import sys
 import time
+import typing
 from typing import NoReturn
 
 import click
@@ -36,66 +37,41 @@ def fail(e: BaseException) -> NoReturn:
     sys.exit(1)
 
 
-def engine_options(f):
-    """Options shared by every command that builds an engine."""
-    opts = [
-        click.option("--model", default=None,
-                     help="Local model dir, Hugging Face hub id, or a shipped config name with "
-                          "--dummy-weights (Qwen3-8B, Qwen3-4B, Llama-3.1-8B, Qwen2.5-7B). "
-                          "Default: the embedded tiny model."),
-        click.option("--dummy-weights", is_flag=True,
-                     help="Random weights built on the device from the config alone."),
-        click.option("--dtype", default="auto", show_default=True,
-                     help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32."),
-        click.option("--device", default="auto", show_default=True,
-                     help="auto (cuda when available), cpu, cuda or cuda:N."),
-        click.option("--max-model-len", type=click.IntRange(min=2), default=None,
-                     help="Longest prompt + output, in tokens [default: the model's maximum; "
-                          "generate --input-len: input + output length]."),
-        click.option("--gpu-kv-budget", type=FiniteFloat(min=0), default=None,
-                     help="GiB of device memory for the KV cache (emulates a smaller GPU). "
-                          "Default: free memory x --gpu-memory-utilization after a warm-up."),
-        click.option("--gpu-memory-utilization", type=FiniteFloat(0, 1, min_open=True),
-                     default=0.90, show_default=True),
-        click.option("--page-size", type=click.IntRange(min=1), default=256, show_default=True,
-                     help="Tokens per KV page (a power of two)."),
-        click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
-                     help="Most sequences in one batch [default: 64; generate: --batch-size]."),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192,
-                     show_default=True,
-                     help="Prefill tokens per step (the chunk size of chunked prefill)."),
-        click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off."),
-        click.option("--attention-backend", default="auto", show_default=True,
-                     type=click.Choice(["auto", "flash", "triton", "torch"])),
-        click.option("--enable-offload", is_flag=True,
-                     help="Keep KV of layers that do not fit the GPU budget in pinned host "
-                          "memory and stream it through GPU ring buffers."),
-        click.option("--host-kv-budget", type=FiniteFloat(min=0, min_open=True), default=None,
-                     help="GiB of pinned host memory for offloaded KV (default: from free RAM)."),
-        click.option("--num-kv-buffers", type=click.IntRange(min=2), default=2, show_default=True,
-                     help="GPU ring-buffer slots for streamed layers (prefetch depth + 1)."),
-        click.option("--resident-layers", type=click.IntRange(min=0), default=None,
-                     help="With --enable-offload: force this many layers resident (the rest "
-                          "stream) instead of as many as the GPU budget holds."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Seed of dummy weights and synthetic prompts."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
+def engine_options(f=None, /, **sized: str):
+    """The options of every command that builds an engine: one per EngineConfig field, with the
+    field's default, help and range. `sized`: fields the command sizes itself when their option
+    is not given (their default is None here), each with a note for the help. Bare
+    `@engine_options` leaves max_num_seqs to the command (the needle script in
+    tests/test_needle.py sizes it to 1)."""
+    if f is None:
+        return lambda f: _add_engine_options(f, sized)
+    return _add_engine_options(f, {"max_num_seqs": "default: sized by the command"})
+
+
+def _add_engine_options(f, sized: dict[str, str]):
+    hints = typing.get_type_hints(EngineConfig)
+    for fld in reversed(dataclasses.fields(EngineConfig)):
+        meta, kind = fld.metadata, hints[fld.name]
+        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # Optional
+        name = "--" + meta.get("name", fld.name.replace("_", "-"))
+        if kind is bool:
+            flag = f"{name}/--no-{name[2:]}" if fld.default else name
+            f = click.option(flag, fld.name, is_flag=True, default=fld.default,
+                             help=meta["help"])(f)
+            continue
+        bounds = {k: meta[k] for k in ("min", "max", "min_open") if k in meta}
+        kind = (click.Choice(meta["choices"]) if "choices" in meta else FiniteFloat(**bounds)
+                if kind is float else click.IntRange(**bounds) if kind is int and bounds else kind)
+        default = None if fld.name in sized else fld.default
+        note = f" [{sized[fld.name]}]" if fld.name in sized else ""
+        f = click.option(name, fld.name, type=kind, default=default, help=meta["help"] + note,
+                         show_default=default not in (None, ""))(f)
     return f
 
 
 def build_config(kw: dict) -> EngineConfig:
-    return EngineConfig(
-        model=kw["model"] or "", dummy_weights=kw["dummy_weights"], dtype=kw["dtype"],
-        device=kw["device"], max_model_len=kw["max_model_len"],
-        gpu_kv_budget_gib=kw["gpu_kv_budget"],
-        gpu_memory_utilization=kw["gpu_memory_utilization"], page_size=kw["page_size"],
-        max_num_seqs=kw["max_num_seqs"] or 64, max_num_batched_tokens=kw["max_num_batched_tokens"],
-        enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
-        enable_offload=kw["enable_offload"], host_kv_budget_gib=kw["host_kv_budget"],
-        num_kv_buffers=kw["num_kv_buffers"], resident_layers=kw["resident_layers"],
-        seed=kw["seed"])
+    """The config of the engine options in `kw`; those still None keep the config's default."""
+    return EngineConfig(**{k: v for k, v in kw.items() if v is not None})
 
 
 @click.group()
@@ -104,7 +80,8 @@ def main() -> None:
 
 
 @main.command()
-@engine_options
+@engine_options(max_num_seqs="default: --batch-size",
+                max_model_len="without --prompt: input + output length")
 @click.option("--prompt", default=None,
               help="Prompt text (needs a model with a tokenizer). With neither --prompt nor "
                    f"--input-len: a {DEMO_INPUT_LEN:,}-token needle-in-a-haystack prompt.")
@@ -270,7 +247,7 @@ def describe_needle(needles: list, input_len: int, demo: bool) -> None:
 
 
 @main.command()
-@engine_options
+@engine_options()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", default=None,

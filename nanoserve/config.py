@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,27 +14,56 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
 
 
+def _field(default, help: str, **cli):
+    """A setting: its default, its help, and hints for its command-line option (`min`, `max`,
+    `min_open`: a range; `choices`; `name`: the option's name where it is not the field's)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    device: str = "auto"
-    page_size: int = 256  # tokens per KV page; flash-attn's paged kernels need a multiple of 256
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192  # prefill chunk budget per step
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    gpu_memory_utilization: float = 0.90
-    gpu_kv_budget_gib: float | None = None  # overrides the free-memory estimate
-    enforce_eager: bool = False
-    max_graph_batch_size: int = 64
-    attention_backend: str = "auto"
-    dummy_weights: bool = False
-    seed: int = 0
+    """Every engine setting, with its default and help: `nanoserve`'s engine options are made
+    from these fields (nanoserve/cli.py), bench_offload.py reads its defaults from them."""
+
+    model: str = _field("", "Local model dir, Hugging Face hub id, or a shipped config name "
+                        "with dummy weights (Qwen3-8B, Qwen3-4B, Llama-3.1-8B, Qwen2.5-7B). "
+                        "Default: the embedded tiny model.")
+    dtype: str = _field("auto", "Weights, activations and KV cache; auto: bf16 on CUDA, fp32 on "
+                        "CPU.", choices=("auto", *DTYPES, *DTYPE_ALIASES))
+    device: str = _field("auto", "auto (cuda when available), cpu, cuda or cuda:N.")
+    page_size: int = _field(256, "Tokens per KV page (a power of two; flash-attn's paged "
+                            "kernels need a multiple of 256).", min=1)
+    max_num_seqs: int = _field(64, "Most sequences in one batch.", min=1)
+    max_num_batched_tokens: int = _field(8192, "Prefill tokens per step (the chunk size of "
+                                         "chunked prefill).", min=1)
+    max_model_len: int | None = _field(None, "Longest prompt + output, in tokens. Default: the "
+                                       "model's maximum.", min=2)
+    gpu_memory_utilization: float = _field(0.90, "Share of the device's memory the engine "
+                                           "may take, KV cache included.", min=0, max=1,
+                                           min_open=True)
+    gpu_kv_budget_gib: float | None = _field(
+        None, "GiB of device memory for the KV cache (emulates a smaller GPU). Default: what "
+        "the gpu memory utilization leaves after a warm-up.", min=0, name="gpu-kv-budget")
+    enforce_eager: bool = _field(False, "Turn CUDA graphs off.")
+    max_graph_batch_size: int = _field(64, "Largest decode batch captured as a CUDA graph "
+                                       "(larger batches run eagerly).", min=1)
+    attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "
+                                    "triton; torch on CPU.", choices=ATTENTION_BACKENDS)
+    dummy_weights: bool = _field(False, "Random weights built on the device from the config "
+                                 "alone.")
+    seed: int = _field(0, "Seed of dummy weights, synthetic prompts and requests that bring no "
+                       "seed.")
     # offload (the offload/ package); the engine only reads these
-    enable_offload: bool = False
-    host_kv_budget_gib: float | None = None
-    num_kv_buffers: int = 2
-    resident_layers: int | None = None  # force the offload split (default: as many as fit)
+    enable_offload: bool = _field(False, "Keep KV of layers that do not fit the GPU budget in "
+                                  "pinned host memory and stream it through GPU ring buffers.")
+    host_kv_budget_gib: float | None = _field(
+        None, "GiB of pinned host memory for offloaded KV. Default: from free RAM.", min=0,
+        min_open=True, name="host-kv-budget")
+    num_kv_buffers: int = _field(2, "GPU ring-buffer slots for streamed layers (prefetch depth "
+                                 "+ 1).", min=2)
+    resident_layers: int | None = _field(None, "With offload: force this many layers resident "
+                                         "(the rest stream) instead of as many as the GPU "
+                                         "budget holds.", min=0)
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -89,3 +118,9 @@ class EngineConfig:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def config_default(name: str):
+    """The default of setting `name` (KeyError for an unknown one): scripts with options of
+    their own for engine settings take the defaults from here."""
+    return EngineConfig.__dataclass_fields__[name].default
