@@ -32,7 +32,12 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float's range: 10**400
+        return False
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:

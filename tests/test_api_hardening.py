@@ -22,6 +22,7 @@ BAD_PARAMS = [  # (keyword arguments, the parameter the error names)
     (dict(temperature=math.nan), "temperature"), (dict(temperature=-1.0), "temperature"),
     (dict(temperature=2.5), "temperature"), (dict(temperature=math.inf), "temperature"),
     (dict(temperature="1"), "temperature"), (dict(temperature=True), "temperature"),
+    (dict(temperature=10**400), "temperature"), (dict(logit_bias={3: -10**400}), "logit_bias"),
     (dict(top_p=0), "top_p"), (dict(top_p=1e-400), "top_p"), (dict(top_p=math.nan), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(top_k=2.0), "top_k"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p"),
@@ -76,7 +77,7 @@ def llm(qwen3_dir):
 def idle(llm) -> bool:
     eng = llm.engine
     return (not eng.has_unfinished() and not eng.sequences and
-            eng.allocator.num_free == eng.allocator.capacity)
+            eng.kv.num_free == eng.kv.capacity)
 
 
 BAD_PROMPTS = [[1.0, 2.0], None, {"a": 1}, 7, b"hello", [1, True], [1, -3], [1, 10**6], "",
@@ -193,6 +194,7 @@ def test_a_device_failure_is_raised_not_blamed_on_a_request(llm):
     pytest.param(dict(device="cuda"), "no usable CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable")),
     (dict(gpu_kv_budget_gib=math.inf), "gpu_kv_budget_gib"),
+    (dict(gpu_kv_budget_gib=10**400), "gpu_kv_budget_gib"),
     (dict(host_kv_budget_gib=math.nan), "host_kv_budget_gib"),
     (dict(gpu_kv_budget_gib=0.0000001), "holds no KV page"),
 ])

@@ -198,6 +198,8 @@ def test_seeded_request_is_identical_alone_and_in_any_batch(qwen3_dir):
     others = random_prompts(4, [5, 30, 9, 17], seed=6)
     mixes = [
         ([prompt] + others, [seeded] + [SamplingParams(temperature=1.0, max_tokens=7)] * 4),
+        ([prompt] + others, [seeded] + [SamplingParams(temperature=0.6, min_p=0.1, top_k=4,
+                                                       max_tokens=9)] * 4),
         (others[:2] + [prompt], [SamplingParams(temperature=0.0, max_tokens=30)] * 2 + [seeded]),
         (others + [prompt], [SamplingParams(temperature=1.5, top_k=3, seed=i, max_tokens=25)
                              for i in range(4)] + [seeded]),
@@ -354,3 +356,20 @@ def test_token_stats_kept_up_to_date_equal_stats_built_afresh():
     want = torch.bincount(torch.tensor(out), minlength=VOCAB).float()
     assert torch.equal(live.counts[row][0], want) and want.sum() > 0
     assert live.counts[0].sum() == 0 and not live.seen[0].any()  # row 0 stays zero
+
+
+@pytest.mark.parametrize("own", [SamplingParams(temperature=1.0), SamplingParams(min_p=0.05),
+                                 SamplingParams(temperature=0.7, top_p=0.8)])
+def test_a_rows_draw_depends_on_its_own_parameters_only(own):
+    """The same row, seed and position draw the same token beside rows of every kind of
+    filter (top-k, top-p, min-p, none, greedy, penalties, logit bias) and alone."""
+    g = torch.Generator().manual_seed(19)
+    logits = torch.randn(1, VOCAB, generator=g) * 3
+    neighbours = [SamplingParams(temperature=0.0), SamplingParams(top_k=3),
+                  SamplingParams(top_p=0.5), SamplingParams(min_p=0.3),
+                  SamplingParams(presence_penalty=1.0), SamplingParams(logit_bias={5: 3.0})]
+    for seed in range(40):
+        alone = sample(logits, tensors([own], seeds={0: seed})).token_ids[0]
+        for other in neighbours:
+            both = sample(logits.expand(2, VOCAB), tensors([own, other], seeds={0: seed}))
+            assert both.token_ids[0] == alone, (seed, other)

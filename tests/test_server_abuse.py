@@ -231,6 +231,8 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 LABELS = [  # (endpoint, body, param, code)
     (C, {"prompt": "hi", "seed": 99999999999999999999999}, "seed", None),
+    (C, {"prompt": "hi", "temperature": 10**400}, "temperature", None),
+    (C, {"prompt": "hi", "logit_bias": {"5": -10**400}}, "logit_bias", None),
     (C, {"prompt": "hi", "seed": -(2**63) - 1}, "seed", None),
     (C, {"prompt": "hi", "seed": "7"}, "seed", None),
     (C, {"prompt": "hi", "seed": 1.5}, "seed", None),

@@ -246,7 +246,8 @@ def filter_candidates(logits: torch.Tensor, t: SamplingTensors,
     sums = PrefixSums(probs)
     kept = t.top_k
     if t.use_top_p:  # candidate j stays while the mass before it is below top_p
-        kept = torch.minimum(kept, sums.count(t.top_p) + 1)
+        by_top_p = torch.where(t.top_p < 1.0, sums.count(t.top_p) + 1, kept)
+        kept = torch.minimum(kept, by_top_p)  # top_p 1 keeps all though the sums round up
     if t.use_min_p:  # probs descend, so -probs ascend
         floor = -(t.min_p * probs[:, 0])[:, None]
         kept = torch.minimum(kept, torch.searchsorted(-probs, floor, right=True).squeeze(1))
@@ -304,13 +305,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None,
         key_dtype = None
     if t.all_greedy:
         tokens = logits.argmax(-1)
-    elif t.use_top_k or t.use_top_p:
+    else:
+        # Every sampled row draws in the same (sorted) order whatever its batch holds: a row's
+        # token depends on its own logits, parameters and uniform only.
         sums, _, order, kept = filter_candidates(logits, t, key_dtype)
         # a stable sort puts the argmax (the lowest id among equals, as argmax) first
         tokens = torch.where(t.greedy, order[:, 0], draw(sums, order, kept, t.uniform))
-    else:  # no ordered filter: draw in vocabulary order, no sort
-        argmax = logits.argmax(-1)
-        tokens = torch.where(t.greedy, argmax, draw_unsorted(logits, t, t.uniform, argmax))
     if t.num_logprobs < 0:
         (tokens,) = _to_host(tokens)
         return SampleOutput(tokens.tolist(), None)
@@ -325,15 +325,3 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None,
                TokenLogprobs(tok, lp, tuple(zip(ids[:k], vals[:k], strict=True)))
                for tok, lp, vals, ids, k in rows]
     return SampleOutput(token_list, per_row)
-
-
-def draw_unsorted(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor,
-                  argmax: torch.Tensor) -> torch.Tensor:
-    """Temperature (and min-p) alone: inverse CDF over the vocabulary in id order."""
-    probs = _scaled_padded(logits, t.temperature).softmax(-1)
-    if t.use_min_p:
-        probs.masked_fill_(probs < t.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    sums = PrefixSums(probs)
-    pick = sums.count(u * sums.total, right=True)
-    # u x total rounded up to the total (odds ~2**-24): the argmax, always a candidate
-    return torch.where(pick < logits.shape[-1], pick, argmax)

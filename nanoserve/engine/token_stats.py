@@ -32,10 +32,11 @@ class TokenStats:
     def rows_for(self, seqs, pin: bool = False) -> torch.Tensor:
         """Each sequence's row (0 for those without penalties), up to date with its tokens.
         `seqs`: objects with seq_id, params, token_ids, num_prompt_tokens."""
-        if self.counts is None:
-            self.counts = torch.zeros(self.capacity + 1, self.vocab, device=self.device)
-            self.seen = torch.zeros(self.capacity + 1, self.vocab, dtype=torch.bool,
-                                    device=self.device)
+        if self.counts is None:  # both or neither, should the second allocation fail
+            counts = torch.zeros(self.capacity + 1, self.vocab, device=self.device)
+            seen = torch.zeros(self.capacity + 1, self.vocab, dtype=torch.bool,
+                               device=self.device)
+            self.counts, self.seen = counts, seen
         batch_ids = {s.seq_id for s in seqs}
         rows, fresh, new_rows, new_tokens, new_is_output = [], [], [], [], []
         for s in seqs:
