@@ -28,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import config_default
+from nanoserve.config import EngineConfig, config_default
+from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
 
@@ -140,10 +141,11 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
               max_model_len=input_len + args.output_len, max_num_seqs=batch, **kw)
     engine, runner = llm.engine, llm.engine.runner
-    need = batch * -(-(input_len + args.output_len) // runner.page_size)
-    if need > engine.allocator.capacity:
+    kv = engine.kv
+    need = batch * -(-(input_len + args.output_len) // kv.spec.page_size)
+    if need > kv.capacity:
         raise ValueError(f"does not fit: {need} KV pages needed, the budgets hold "
-                         f"{engine.allocator.capacity}")
+                         f"{kv.capacity}")
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
     params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
@@ -159,13 +161,12 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         a = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - a)
-        if runner.offload is not None:
-            streamed.append(runner.offload.streamer.bytes_loaded)
-    plan = runner.plan
-    dtype_bytes = runner.dtype.itemsize
+        if kv.streamer is not None:
+            streamed.append(kv.streamer.bytes_loaded)
+    plan = kv.plan
     ctx = input_len + args.output_len // 2
-    kv_read = batch * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    resident_bytes = weight_bytes(cfg, dtype_bytes) + kv_read * plan.resident_layers
+    kv_read = batch * ctx * kv.spec.token_bytes(plan.resident_layers)
+    resident_bytes = weight_bytes(cfg, runner.dtype.itemsize) + kv_read
     bytes_step = statistics.median(streamed) if streamed else 0
     tpot = statistics.median(steps)
     row = {
@@ -286,7 +287,8 @@ def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[d
 
 def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
     free, _ = torch.cuda.mem_get_info()
-    kv = batch * (input_len + args.output_len) * cfg.kv_bytes_per_token(2)
+    spec = KVSpec.for_model(cfg, EngineConfig().page_size, torch.bfloat16)
+    kv = batch * (input_len + args.output_len) * spec.token_bytes()
     weights = cfg.num_params() * 2
     return weights + kv < 0.9 * free
 

@@ -1,9 +1,8 @@
 """Pinned host memory holding the KV of every streamed layer: the source of truth for them.
 
-Layout [streamed_layer, 2 (K, V), page, page_size, kv_heads, head_dim]: one layer's K pages are
-contiguous, so a run of consecutive page ids moves in one copy per K and V (>= 1 MiB for real
-models: 256-token pages are 512 KiB of K for an 8-kv-head, d=128, bf16 layer), never one copy
-per page.
+In the shared layout (offload/layout.py) a run of consecutive page ids moves in one copy per K
+and V (>= 1 MiB for real models: 256-token pages are 512 KiB of K for an 8-kv-head, d=128, bf16
+layer), never one copy per page.
 """
 
 from __future__ import annotations
@@ -23,11 +22,10 @@ def coalesce_runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 class HostKVStore:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, pin: bool) -> None:
-        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
+        """shape: kv_shape(streamed layers, pages, ...)."""
         self.data = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        self.num_layers, self.num_pages = num_layers, num_pages
+        self.num_layers, self.num_pages = shape[0], shape[2]
 
     @property
     def nbytes(self) -> int:

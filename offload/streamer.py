@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.host_store import HostKVStore
+from offload.layout import kv_shape
 
 
 @dataclass
@@ -39,7 +40,7 @@ class StepPlan:
     init_pages: torch.Tensor | None = None  # on device: prefill-completed sequences' last page
     init_rows: torch.Tensor | None = None
     flush_pages: list[int] = field(default_factory=list)  # tails that fill in this step
-    flush_rows: list[int] = field(default_factory=list)
+    flush_rows: torch.Tensor | None = None  # on device: their tail rows
 
 
 class LayerStreamer:
@@ -49,9 +50,11 @@ class LayerStreamer:
         self.num_streamed = host.num_layers
         self.num_slots = min(num_slots, max(1, self.num_streamed))
         self.device = device
-        self.slots = torch.zeros((self.num_slots, *d.shape[1:]), dtype=d.dtype, device=device)
-        tail_shape = (self.num_streamed, 2, max_seqs + 1, *d.shape[3:])
-        self.tails = torch.zeros(tail_shape, dtype=d.dtype, device=device)
+        _, _, pages, page_size, heads, dim = d.shape
+        self.slots = torch.zeros(kv_shape(self.num_slots, pages, page_size, heads, dim),
+                                 dtype=d.dtype, device=device)
+        self.tails = torch.zeros(kv_shape(self.num_streamed, max_seqs + 1, page_size, heads, dim),
+                                 dtype=d.dtype, device=device)
         self.dummy_row = max_seqs
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -137,7 +140,7 @@ class LayerStreamer:
         p = self.plan
         if not p.flush_pages:
             return
-        rows = torch.tensor(p.flush_rows, device=self.device)
+        rows = p.flush_rows
         compute = torch.cuda.current_stream() if self.cuda else None
         with self._on_copy_stream():
             if self.cuda:

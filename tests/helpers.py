@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve import SamplingParams
 from nanoserve.context import forward_context
-from nanoserve.kv.pages import pages_needed
+from nanoserve.engine.scheduler import Batch
+from nanoserve.engine.sequence import Sequence
 
 
 @torch.inference_mode()
 def engine_prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, prefilled in a single step."""
-    runner = llm.engine.runner
-    alloc = llm.engine.allocator
-    pages = alloc.allocate(pages_needed(len(token_ids), runner.page_size))
+    """Logits of every position of one prompt, prefilled in a single step (every layer
+    resident): the engine's KV pages, step inputs and attention backend, all rows' logits."""
+    engine, runner = llm.engine, llm.engine.runner
+    seq = Sequence(token_ids, SamplingParams(max_tokens=1))
+    assert engine.kv.grow(seq, len(token_ids))
     try:
-        ctx = runner._prefill_context([pages], [0], [len(token_ids)])
+        inputs = runner.inputs.build(Batch(True, [seq], [len(token_ids)]))
+        ctx = inputs.context()
         runner.backend.prepare(ctx)
-        dev = runner.device
         with forward_context(ctx):
-            hidden = runner.model(torch.tensor(token_ids, device=dev),
-                                  torch.arange(len(token_ids), device=dev))
-        return runner.model.compute_logits(hidden).cpu()
+            return runner.model.head(runner.model(inputs.input_ids, inputs.positions)).cpu()
     finally:
-        alloc.free(pages)
+        engine.kv.free(seq)
+
+
+def corrupt_host_kv(engine, layer: int, pages: list[int], value: float | None = None) -> None:
+    """Overwrites streamed layer `layer`'s K and V of `pages` in the host store: random values,
+    or `value`. Tests use it to prove that tokens really depend on what went through it."""
+    host = engine.kv.streamer.host.data
+    if value is None:
+        host[layer, :, pages] = torch.randn_like(host[layer, :, pages])
+    else:
+        host[layer, :, pages] = value

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import random_prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kv.pages import OutOfPages, PageAllocator
+from nanoserve.kv.spec import KVSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -40,7 +42,7 @@ def test_chunked_prefill_equals_unchunked(qwen3_dir):
 
 def test_no_page_leaks_after_all_requests_finish(qwen3_dir):
     llm = make_llm(qwen3_dir)
-    alloc = llm.engine.allocator
+    alloc = llm.engine.kv
     free_before = alloc.num_free
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 9, 30)]
     llm.generate(random_prompts(3, [5, 12, 33]), params)
@@ -53,13 +55,13 @@ def test_preemption_and_recompute_give_the_same_tokens(qwen3_dir):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     roomy = tokens(make_llm(qwen3_dir).generate(prompts, params))
     # 4-token pages: 4 sequences of ~65 tokens need ~68 pages; give them 40
-    page_bytes = 2 * 3 * 4 * 2 * 16 * 4
+    page_bytes = KVSpec(3, 4, 2, 16, torch.float32).page_bytes()
     tight = make_llm(qwen3_dir, gpu_kv_budget_gib=41 * page_bytes / 2**30)
-    assert tight.engine.allocator.capacity == 40
+    assert tight.engine.kv.capacity == 40
     out = tokens(tight.generate(prompts, params))
     assert tight.engine.scheduler.num_preemptions > 0
     assert out == roomy
-    assert tight.engine.allocator.num_free == 40
+    assert tight.engine.kv.num_free == 40
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(qwen3_dir):
@@ -138,7 +140,7 @@ def test_bad_requests_get_errors_and_others_keep_running(qwen3_dir):
 
 
 def test_prompt_larger_than_the_kv_budget_is_refused(qwen3_dir):
-    page_bytes = 2 * 3 * 4 * 2 * 16 * 4
+    page_bytes = KVSpec(3, 4, 2, 16, torch.float32).page_bytes()
     llm = make_llm(qwen3_dir, gpu_kv_budget_gib=9 * page_bytes / 2**30)  # 8 usable pages
     outs = llm.generate(random_prompts(2, [40, 10]), GREEDY)
     assert "KV budget holds 8" in outs[0].error

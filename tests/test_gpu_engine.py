@@ -74,17 +74,17 @@ def test_graph_logits_equal_eager_logits(gpu_model):
             llm.engine.step()
         batch = Batch(False, seqs, [1] * n)
         for s in seqs:  # room for the decode token
-            s.pages += llm.engine.allocator.allocate(1)
-        graph_logits = runner._run_decode(batch).clone()
+            assert llm.engine.kv.grow(s, s.num_tokens)
+        graph_logits = runner.forward(batch, runner.inputs.build(batch, n)).clone()
         saved, runner.graphs = runner.graphs, None
-        eager_logits = runner._run_decode(batch)
+        eager_logits = runner.forward(batch, runner.inputs.build(batch))
         runner.graphs = saved
         diff = (graph_logits - eager_logits).abs().max().item()
         assert diff < 2e-2 * eager_logits.abs().max().item(), (n, diff)
         assert (graph_logits.argmax(-1) == eager_logits.argmax(-1)).all()
         for s in seqs:
             llm.engine.abort(s)
-    assert llm.engine.allocator.num_free == llm.engine.allocator.capacity
+    assert llm.engine.kv.num_free == llm.engine.kv.capacity
 
 
 def test_temperature_zero_rows_equal_greedy_beside_sampled_rows(gpu_model):

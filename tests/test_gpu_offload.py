@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
+from helpers import corrupt_host_kv
 
 from nanoserve import LLM, SamplingParams
 
@@ -38,10 +39,10 @@ def test_offload_tokens_equal_resident(model_dir, resident, batch, eager):
     graphs = [o.token_ids for o in llm_for(model_dir).generate(prompts, GREEDY)]
     off = llm_for(model_dir, enable_offload=True, resident_layers=resident, enforce_eager=eager,
                   host_kv_budget_gib=1)
-    assert off.engine.runner.plan.streamed_layers == 6 - resident
+    assert off.engine.kv.plan.streamed_layers == 6 - resident
     assert (off.engine.runner.graphs is None) == eager
     assert [o.token_ids for o in off.generate(prompts, GREEDY)] == ref == graphs
-    assert off.engine.allocator.num_free == off.engine.allocator.capacity
+    assert off.engine.kv.num_free == off.engine.kv.capacity
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -54,12 +55,15 @@ def test_offload_decode_logits_are_bitwise_equal_to_resident(model_dir, eager):
         llm = llm_for(model_dir, enforce_eager=eager, **kw)
         runner = llm.engine.runner
         captured = []
-        original = runner._run_decode
-        def recording(batch, f=original, out=captured):
-            out.append(f(batch).clone())
-            return out[-1]
+        original = runner.forward
 
-        runner._run_decode = recording
+        def recording(batch, inputs, f=original, out=captured):
+            logits = f(batch, inputs)
+            if not batch.is_prefill:
+                out.append(logits.clone())
+            return logits
+
+        runner.forward = recording
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         logits.append(torch.stack(captured))
     assert torch.equal(logits[0], logits[1])
@@ -75,9 +79,7 @@ def test_corrupted_streamed_kv_changes_the_tokens(model_dir):
     while seq.num_output_tokens == 0:
         engine.step()
     torch.cuda.synchronize()
-    host = engine.runner.offload.streamer.host
-    pages = seq.pages[:seq.num_cached // 16]
-    host.data[2, :, pages] = torch.randn_like(host.data[2, :, pages])
+    corrupt_host_kv(engine, 2, seq.pages[:seq.num_cached // 16])
     while not seq.is_finished:
         engine.step()
     assert seq.output_token_ids[0] == ref[0]
@@ -94,7 +96,7 @@ def test_32k_context_larger_than_a_1gib_gpu_kv_budget_completes():
     gc.collect()
     torch.cuda.empty_cache()
     llm = LLM("Qwen3-8B", enable_offload=True, gpu_kv_budget_gib=1.0, **common)
-    plan = llm.engine.runner.plan
+    plan = llm.engine.kv.plan
     assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
     out = llm.generate(prompt, params)[0]
     assert out.error is None and out.token_ids == resident

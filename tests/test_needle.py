@@ -27,6 +27,9 @@ from nanoserve.cli import build_config, engine_options
 from nanoserve.config import EngineConfig
 from nanoserve.needle import NeedleBuilder, NeedlePrompt, parse_depths
 
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script too: the test helpers
+from helpers import corrupt_host_kv  # noqa: E402
+
 ALL_DEPTHS = parse_depths("0,0.1,...,1")
 
 
@@ -176,7 +179,7 @@ def resident_llm():
 @pytest.fixture(scope="module")
 def offload_llm():
     llm = cpu_llm(enable_offload=True, resident_layers=2)
-    assert llm.engine.runner.plan.streamed_layers == 2
+    assert llm.engine.kv.plan.streamed_layers == 2
     return llm
 
 
@@ -194,9 +197,10 @@ def zero_host_pages(llm: LLM, seq, first_token: int, last_token: int) -> None:
     """Zeroes the KV of tokens [first, last) of every streamed layer in the host store."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copy stream may still be writing the host store
-    ps = llm.engine.runner.page_size
+    ps = llm.engine.kv.spec.page_size
     pages = seq.pages[first_token // ps:(last_token - 1) // ps + 1]
-    llm.engine.runner.offload.streamer.host.data[:, :, pages] = 0
+    for layer in range(llm.engine.kv.plan.streamed_layers):
+        corrupt_host_kv(llm.engine, layer, pages, value=0.0)
 
 
 def test_needle_fails_when_the_streamed_needle_kv_is_zeroed(offload_llm):

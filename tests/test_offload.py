@@ -4,8 +4,8 @@ streamed layers give exactly the tokens of resident ones."""
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import make_hf_model, random_prompts
+from helpers import corrupt_host_kv
 
 from nanoserve import LLM, SamplingParams
 from offload import coalesce_runs, plan_residency
@@ -37,14 +37,12 @@ def test_offload_gives_the_same_tokens_as_resident(six_layer_dir, resident, slot
     ref = run(make_llm(six_layer_dir), prompts)
     llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=resident,
                    num_kv_buffers=slots, host_kv_budget_gib=0.01)
-    runner = llm.engine.runner
-    assert runner.plan.resident_layers == resident
-    assert runner.offload.streamer.num_slots == min(slots, 6 - resident)
+    kv = llm.engine.kv
+    assert kv.plan.resident_layers == resident
+    assert kv.streamer.num_slots == min(slots, 6 - resident)
     assert run(llm, prompts) == ref
-    alloc = llm.engine.allocator
-    assert alloc.num_free == alloc.capacity  # every host (and GPU) page returned
-    hooks = runner.offload
-    assert not hooks.rows and len(hooks.free_rows) == 8  # every tail row returned
+    assert kv.num_free == kv.capacity  # every host (and GPU) page returned
+    assert kv.tail_rows_in_use == 0  # every tail row returned
 
 
 def test_offload_with_preemption_gives_the_same_tokens(six_layer_dir):
@@ -53,10 +51,10 @@ def test_offload_with_preemption_gives_the_same_tokens(six_layer_dir):
     # 40 pages of 4 tokens for 4 sequences of ~50 tokens: decode must preempt
     llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=2, num_kv_buffers=2,
                    host_kv_budget_gib=4 * 41 * 2 * 4 * 2 * 16 * 4 / 2**30)
-    assert llm.engine.allocator.capacity == 40
+    assert llm.engine.kv.capacity == 40
     assert run(llm, prompts) == ref
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.allocator.num_free == 40
+    assert llm.engine.kv.num_free == 40
 
 
 def test_streamed_kv_is_what_attention_reads(six_layer_dir):
@@ -70,9 +68,7 @@ def test_streamed_kv_is_what_attention_reads(six_layer_dir):
     (seq,) = engine.add_request(prompt, GREEDY)
     while seq.num_output_tokens == 0:
         engine.step()
-    host = engine.runner.offload.streamer.host
-    full_pages = seq.pages[:seq.num_cached // 4]
-    host.data[1, :, full_pages] = torch.randn_like(host.data[1, :, full_pages])
+    corrupt_host_kv(engine, 1, seq.pages[:seq.num_cached // 4])
     while not seq.is_finished:
         engine.step()
     assert seq.output_token_ids[0] == ref[0]  # sampled before the corruption
@@ -81,8 +77,8 @@ def test_streamed_kv_is_what_attention_reads(six_layer_dir):
 
 def test_offload_with_room_for_everything_streams_nothing(six_layer_dir):
     llm = make_llm(six_layer_dir, enable_offload=True, host_kv_budget_gib=0.01)
-    assert llm.engine.runner.plan.resident_layers == 6
-    assert llm.engine.runner.offload is None
+    assert llm.engine.kv.plan.resident_layers == 6
+    assert llm.engine.kv.streamer is None
 
 
 def test_request_larger_than_both_budgets_is_refused_naming_them(six_layer_dir):

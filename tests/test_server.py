@@ -314,7 +314,7 @@ def test_models_health_metrics(server, client):
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 6
     m = metrics(server)
-    pages = server.engine.allocator.capacity
+    pages = server.engine.kv.capacity
     assert m["nanoserve_kv_pages_total"] == pages == KV_TOKENS // 16 - 1  # page 0: dummy
     assert m["nanoserve_requests_waiting"] == 0
     assert m["nanoserve_generation_tokens_total"] == \
@@ -474,7 +474,7 @@ def test_64_concurrent_requests_with_offload_match_offload_off():
     del off
     torch.cuda.empty_cache()
     llm = LLM(enable_offload=True, resident_layers=2, **common)
-    assert llm.engine.runner.plan.streamed_layers == 2
+    assert llm.engine.kv.plan.streamed_layers == 2
     srv = ServerThread(build_app(AsyncEngine(llm.engine), NAME))
 
     async def one(client, ids):

@@ -13,7 +13,6 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Batch, Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.kv.pages import PageAllocator
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model, resolve_model_dir
 from nanoserve.sampling_params import InvalidParameter, SamplingParams
@@ -53,7 +52,7 @@ class LLMEngine:
         model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
                            cfg.torch_device, cfg.dummy_weights, cfg.seed, progress)
         self.runner = ModelRunner(cfg, model, self.max_model_len, progress)
-        self.allocator = PageAllocator(self.runner.num_pages)
+        self.kv = self.runner.kv
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -61,17 +60,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             def detok(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
-        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.max_model_len, eos, detok)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len, eos, detok)
         self.sequences: dict[int, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
-        r = self.runner
-        if r.offload is not None:
-            self.scheduler.on_release = r.offload.release
-        if cfg.enable_offload:
-            self.scheduler.capacity_note = (
-                f"the GPU KV budget ({r.gpu_budget_bytes / 2**30:.2f} GiB) with the host KV "
-                f"budget ({r.host_budget_bytes / 2**30:.2f} GiB)")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; InvalidParameter("prompt") otherwise."""
@@ -126,16 +118,16 @@ class LLMEngine:
         """One scheduled step; returns the sequences that finished in it. A failure inside the
         step fails the sequences it belongs to (finish_reason "error") and nothing else; only a
         device failure, which no later step would survive either, is raised."""
-        batch = self.scheduler.schedule()
-        finished = self.scheduler.finished_in_schedule
-        self.scheduler.finished_in_schedule = []
+        batch, finished = self.scheduler.schedule()
         if batch is not None:
             try:
-                finished += self.scheduler.postprocess(batch, self.runner.run(batch))
+                tokens = self.runner.run(batch)
             except Exception as e:
                 if is_device_failure(e):
                     raise
                 finished += self._run_one_by_one(batch, e)
+            else:
+                finished += self.scheduler.postprocess(batch, tokens)
         for seq in finished:
             self.sequences.pop(seq.seq_id, None)
             self.runner.release(seq.seq_id)
@@ -143,7 +135,8 @@ class LLMEngine:
 
     def _run_one_by_one(self, batch: Batch, error: Exception) -> list[Sequence]:
         """Reruns a failed step's sequences alone, so the failure lands on its owner. Rerunning
-        is safe: a sequence's state advances only in postprocess, after its step succeeded."""
+        is safe: a sequence's state advances only in postprocess, which runs only after its
+        step succeeded."""
         if len(batch.seqs) == 1:
             self._fail(batch.seqs[0], error)
             return batch.seqs
@@ -151,12 +144,14 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             alone = Batch(batch.is_prefill, [seq], [n])
             try:
-                finished += self.scheduler.postprocess(alone, self.runner.run(alone))
+                tokens = self.runner.run(alone)
             except Exception as e:
                 if is_device_failure(e):
                     raise
                 self._fail(seq, e)
                 finished.append(seq)
+            else:
+                finished += self.scheduler.postprocess(alone, tokens)
         return finished
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
@@ -174,18 +169,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def describe_memory(self) -> str:
-        r = self.runner
-        tokens = (r.num_pages - 1) * r.page_size
-        text = (f"KV cache: {r.num_pages - 1} pages of {r.page_size} tokens = {tokens:,} tokens; "
-                f"{r.plan.describe()}")
-        if r.offload is not None:
-            text += (f"\n  host store {r.offload.streamer.host.nbytes / 2**30:.2f} GiB "
-                     f"{'pinned ' if r.device.type == 'cuda' else ''}"
-                     f"(budget {r.host_budget_bytes / 2**30:.1f} GiB), GPU ring "
-                     f"{r.offload.streamer.num_slots} slots + tails "
-                     f"{r.offload.streamer.gpu_bytes / 2**30:.2f} GiB, resident pool "
-                     f"{r.kv.data.numel() * r.kv.data.element_size() / 2**30:.2f} GiB")
-        return text
+        return self.kv.describe()
 
     def decode_text(self, seq: Sequence) -> str:
         if seq.output_text is not None or self.tokenizer is None:

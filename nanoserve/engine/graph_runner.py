@@ -1,7 +1,10 @@
-"""Whole-model decode CUDA graphs, one per captured batch size, sharing one memory pool.
+"""Decode CUDA graphs: per captured batch size, one graph per segment of the step executor (one
+for the whole model without offload; head, each streamed layer and tail with it), all sharing
+one memory pool, replayed through the executor's own `run`.
 
-A step of n sequences replays the graph of the smallest captured size >= n; the padding rows
-read one token of KV and write their KV to the dummy page, and their logits are ignored.
+A step of n sequences replays the graphs of the smallest captured size >= n; the padding rows
+read one token of KV and write their KV to the dummy page (and the dummy tail row), and their
+logits are ignored.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.context import ForwardContext, forward_context
+from nanoserve.engine.step_executor import StepExecutor, StepState
+from nanoserve.engine.step_inputs import StepInputs
 from nanoserve.kv.pages import DUMMY_PAGE
+from offload import StepPlan
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -19,147 +25,78 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, backend, max_bs: int, max_pages: int, page_size: int,
-                 device: torch.device, progress: bool = True) -> None:
-        self.model, self.backend = model, backend
+    def __init__(self, executor: StepExecutor, backend, max_bs: int, max_pages: int,
+                 page_size: int, device: torch.device, progress: bool = True) -> None:
+        self.executor, self.backend = executor, backend
         self.sizes = capture_sizes(max_bs)
-        self.max_bs = self.sizes[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_bs,), DUMMY_PAGE * page_size,
-                                       dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(self.max_bs, **i32)
-        self.page_tables = torch.full((self.max_bs, max_pages), DUMMY_PAGE, **i32)
-        self.logits = torch.empty(self.max_bs, model.config.vocab_size, dtype=torch.float32,
-                                  device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardContext]] = {}
+        self.max_bs = n = self.sizes[-1]
+        model = executor.model
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        # the graphs' fixed-address inputs and outputs
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), DUMMY_PAGE * page_size, **i64)
+        self.context_lens = torch.ones(n, **i32)
+        self.page_tables = torch.full((n, max_pages), DUMMY_PAGE, **i32)
+        self.hidden = torch.zeros(n, model.config.hidden_size,
+                                  dtype=next(model.parameters()).dtype, device=device)
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        streamer = executor.streamer
+        if streamer is not None:
+            self.tail_pages = torch.full((n,), DUMMY_PAGE, **i64)
+            self.tail_rows = torch.full((n,), streamer.dummy_row, **i64)
+        self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], ForwardContext]] = {}
         pool = None
         for bs in tqdm(list(reversed(self.sizes)), desc="Capturing decode graphs",
                        disable=not progress):
             ctx = ForwardContext(False, self.slot_mapping[:bs], self.page_tables[:bs],
                                  context_lens=self.context_lens[:bs])
             backend.prepare_capture(ctx, bs)
+            state = StepState(self.input_ids[:bs], self.positions[:bs],
+                              hidden=self.hidden[:bs], logits=self.logits[:bs])
+            segments = executor.segments(state)
+            plan = self._static_plan(bs)
             with forward_context(ctx):
-                self._forward(bs)  # warm-up: autotuning and lazy init happen outside capture
-                graph, pool = self._capture(bs, pool)
-            self.graphs[bs] = (graph, ctx)
+                executor.run(segments, plan)  # warm-up: autotuning, lazy init, outside capture
+                graphs = []
+                for segment in segments:
+                    if streamer is not None:
+                        streamer.plan = plan  # segments read the plan's tail tensors
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        segment()
+                    pool = graph.pool()
+                    graphs.append(graph)
+            self.graphs[bs] = (graphs, ctx)
         torch.cuda.synchronize()
 
-    def _capture(self, bs: int, pool):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward(bs)
-        return graph, graph.pool()
-
-    def _forward(self, bs: int) -> None:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        self.logits[:bs].copy_(self.model.compute_logits(hidden))
+    def _static_plan(self, bs: int) -> StepPlan | None:
+        if self.executor.streamer is None:
+            return None
+        return StepPlan(tail_pages=self.tail_pages[:bs], tail_rows=self.tail_rows[:bs])
 
     def can_run(self, n: int) -> bool:
         return n <= self.max_bs
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            context_lens: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
-        """Inputs are pinned CPU tensors already padded to a captured size."""
-        bs = self._load_inputs(input_ids, positions, slot_mapping, context_lens, page_tables)
-        self.graphs[bs][0].replay()
-        return self.logits[:bs]
-
-    def _load_inputs(self, input_ids, positions, slot_mapping, context_lens, page_tables) -> int:
-        """Copies a step's inputs into the fixed-address buffers; returns the padded size."""
-        bs = input_ids.shape[0]
-        self.input_ids[:bs].copy_(input_ids, non_blocking=True)
-        self.positions[:bs].copy_(positions, non_blocking=True)
-        self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
-        self.context_lens[:bs].copy_(context_lens, non_blocking=True)
-        self.page_tables[:bs, :page_tables.shape[1]].copy_(page_tables, non_blocking=True)
-        self.backend.prepare_replay(self.graphs[bs][1], bs)
-        return bs
-
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-
-class OffloadDecodeGraphRunner(DecodeGraphRunner):
-    """Decode graphs when some layers stream: per batch size, one graph for the embedding and
-    the resident layers, one per streamed layer (its tail swap-in, forward, swap-out, with its
-    ring slot bound at fixed addresses), one for the final norm and logits. Between replays the
-    host only orders streams through events: wait for layer j's load, replay, mark compute done
-    and start the next prefetch. Nothing synchronizes the host."""
-
-    def __init__(self, model, backend, hooks, max_bs: int, max_pages: int, page_size: int,
-                 device: torch.device, progress: bool = True) -> None:
-        self.hooks = hooks
-        self.streamer = hooks.streamer
-        self.first_streamed = hooks.first_streamed
-        self.tail_pages = torch.full((capture_sizes(max_bs)[-1],), DUMMY_PAGE, dtype=torch.int64,
-                                     device=device)
-        self.tail_rows = torch.full_like(self.tail_pages, self.streamer.dummy_row)
-        self.hidden = torch.zeros(capture_sizes(max_bs)[-1], model.config.hidden_size,
-                                  dtype=next(model.parameters()).dtype, device=device)
-        super().__init__(model, backend, max_bs, max_pages, page_size, device, progress)
-
-    def _segments(self, bs: int):
-        """The step as a list of graph-capturable pieces: head, each streamed layer, tail."""
-        layers = self.model.model.layers
-        pos, h = self.positions[:bs], self.hidden[:bs]
-
-        def head():
-            x = self.model.model.embed_tokens(self.input_ids[:bs])
-            for layer in layers[:self.first_streamed]:
-                x = layer(pos, x)
-            h.copy_(x)
-
-        def streamed(j):
-            def run():
-                self.streamer.tail_in(j)
-                h.copy_(layers[self.first_streamed + j](pos, h))
-                self.streamer.tail_out(j)
-            return run
-
-        def tail():
-            self.logits[:bs].copy_(self.model.compute_logits(self.model.model.norm(h)))
-
-        return [head] + [streamed(j) for j in range(self.streamer.num_streamed)] + [tail]
-
-    def _forward(self, bs: int) -> None:  # warm-up, eager
-        self._bind_static_plan(bs)
-        for seg in self._segments(bs):
-            seg()
-
-    def _bind_static_plan(self, bs: int) -> None:
-        from offload.streamer import StepPlan
-
-        self.streamer.plan = StepPlan(tail_pages=self.tail_pages[:bs],
-                                      tail_rows=self.tail_rows[:bs])
-
-    def _capture(self, bs: int, pool):
-        self._bind_static_plan(bs)
-        graphs = []
-        for seg in self._segments(bs):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                seg()
-            pool = g.pool()
-            graphs.append(g)
-        return graphs, pool
-
-    def run_offloaded(self, inputs, plan) -> torch.Tensor:
-        """inputs: pinned, padded (ids, pos, slots, lens, table); plan: the step's StepPlan."""
-        bs = self._load_inputs(*inputs)
-        graphs = self.graphs[bs][0]
-        n = plan.tail_pages.shape[0]
-        self.tail_pages[:n].copy_(plan.tail_pages, non_blocking=True)
-        self.tail_rows[:n].copy_(plan.tail_rows, non_blocking=True)
-        self.tail_pages[n:bs].fill_(DUMMY_PAGE)
-        self.tail_rows[n:bs].fill_(self.streamer.dummy_row)
-        self.streamer.begin_step(plan)
-        graphs[0].replay()
-        for j, g in enumerate(graphs[1:-1]):
-            self.streamer.wait_loaded(j)
-            g.replay()
-            self.streamer.finish_layer(j)
-        graphs[-1].replay()
-        self.streamer.end_step()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """inputs: a decode step built with pad_to=padded_size(n); returns its logits."""
+        bs = inputs.input_ids.shape[0]
+        self.input_ids[:bs].copy_(inputs.input_ids)
+        self.positions[:bs].copy_(inputs.positions)
+        self.slot_mapping[:bs].copy_(inputs.slot_mapping)
+        self.context_lens[:bs].copy_(inputs.context_lens)
+        self.page_tables[:bs, :inputs.page_tables.shape[1]].copy_(inputs.page_tables)
+        graphs, ctx = self.graphs[bs]
+        self.backend.prepare_replay(ctx, bs)
+        plan = inputs.offload
+        if plan is not None:  # the step's tails into the graphs' fixed tensors; padding: dummy
+            n = inputs.num_seqs
+            self.tail_pages[:n].copy_(plan.tail_pages)
+            self.tail_rows[:n].copy_(plan.tail_rows)
+            self.tail_pages[n:bs].fill_(DUMMY_PAGE)
+            self.tail_rows[n:bs].fill_(self.executor.streamer.dummy_row)
+        self.executor.run([g.replay for g in graphs], plan)
         return self.logits[:bs]

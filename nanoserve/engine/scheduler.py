@@ -11,11 +11,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.errors import InvalidParameter
-from nanoserve.kv.pages import PageAllocator, pages_needed
 from nanoserve.outputs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from nanoserve.kv.manager import KVManager
 
 
 @dataclass
@@ -28,11 +31,10 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), detokenize=None) -> None:
-        self.allocator = allocator
-        self.page_size = page_size
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+                 detokenize=None) -> None:
+        self.kv = kv  # pages come from, and go back to, the KV manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -41,9 +43,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.finished_in_schedule: list[Sequence] = []
-        self.on_release = None  # called with a sequence whose pages were just freed
-        self.capacity_note = "the KV budget"
 
     def check_admissible(self, num_prompt_tokens: int) -> None:
         """Raises ValueError for a prompt that can never run (the request is refused alone)."""
@@ -54,12 +53,7 @@ class Scheduler:
                                              f"max_model_len is {self.max_model_len}, which "
                                              "leaves no room for output",
                                    "context_length_exceeded")
-        need = pages_needed(num_prompt_tokens + 1, self.page_size)
-        if need > self.allocator.capacity:
-            raise InvalidParameter(
-                "prompt", f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
-                f"{self.page_size} tokens; {self.capacity_note} holds {self.allocator.capacity}",
-                "kv_capacity_exceeded")
+        self.kv.check_fits(num_prompt_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_tokens)
@@ -68,8 +62,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+    def schedule(self) -> tuple[Batch | None, list[Sequence]]:
+        """The next step's batch, and the sequences that finished while it was made (a context
+        that outgrew the whole KV budget)."""
+        finished: list[Sequence] = []
+        batch = self._schedule_prefill() or self._schedule_decode(finished)
+        return batch, finished
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.max_num_batched_tokens
@@ -77,13 +75,11 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
-            chunk = min(seq.num_tokens - seq.num_cached, budget)
-            room = (len(seq.pages) + self.allocator.num_free) * self.page_size - seq.num_cached
-            chunk = min(chunk, room)
+            chunk = min(seq.num_tokens - seq.num_cached, budget,
+                        self.kv.room(seq) - seq.num_cached)
             if chunk <= 0:
                 break
-            extra = pages_needed(seq.num_cached + chunk, self.page_size) - len(seq.pages)
-            seq.pages += self.allocator.allocate(max(extra, 0))
+            self.kv.grow(seq, seq.num_cached + chunk)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             seqs.append(seq)
@@ -93,21 +89,18 @@ class Scheduler:
                 break  # a partial chunk: this prompt continues next step, nothing behind it now
         return Batch(True, seqs, counts) if seqs else None
 
-    def _schedule_decode(self) -> Batch | None:
+    def _schedule_decode(self, finished: list[Sequence]) -> Batch | None:
         batch = []
         for seq in list(self.running):
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
-            need = pages_needed(seq.num_tokens, self.page_size) - len(seq.pages)
-            while need > self.allocator.num_free and seq.status == Status.RUNNING:
+            while not self.kv.grow(seq, seq.num_tokens) and seq.status == Status.RUNNING:
                 if not self._release_pages_for(seq):
                     # alone and still out of pages: its context outgrew the whole KV budget
                     self.finish(seq, "length")
-                    self.finished_in_schedule.append(seq)
-            if seq.status != Status.RUNNING:
-                continue
-            seq.pages += self.allocator.allocate(need)
-            batch.append(seq)
+                    finished.append(seq)
+            if seq.status == Status.RUNNING:
+                batch.append(seq)
         return Batch(False, batch, [1] * len(batch)) if batch else None
 
     def _release_pages_for(self, seq: Sequence) -> bool:
@@ -115,7 +108,7 @@ class Scheduler:
         preempting the newest running sequence (possibly `seq` itself). False if impossible."""
         for other in reversed(self.waiting):
             if other.pages:
-                self._free_pages(other)
+                self.kv.free(other)
                 other.num_cached = 0
                 return True
         if len(self.running) > 1:
@@ -123,16 +116,10 @@ class Scheduler:
             return True
         return False
 
-    def _free_pages(self, seq: Sequence) -> None:
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        if self.on_release is not None:
-            self.on_release(seq)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._free_pages(seq)
-        seq.pages, seq.num_cached = [], 0
+        self.kv.free(seq)
+        seq.num_cached = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -183,7 +170,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._free_pages(seq)
+        self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()

@@ -1,10 +1,8 @@
-"""The paged KV cache: one pool of pages per layer, and the allocator that hands pages out."""
+"""KV pages: ids into every tier's storage, handed out and reference-counted."""
 
 from __future__ import annotations
 
 from collections import deque
-
-import torch
 
 DUMMY_PAGE = 0  # never allocated: padded rows of a captured decode graph write their KV here
 
@@ -14,7 +12,8 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids. Invariant: every page is either free or owned by one request."""
+    """A free list of page ids with reference counts. Invariant: a page is free exactly when its
+    count is 0; a page held by several sequences (a shared prefix) has one count per holder."""
 
     def __init__(self, num_pages: int, reserved: int = 1) -> None:
         if num_pages <= reserved:
@@ -22,6 +21,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.reserved = reserved
         self._free: deque[int] = deque(range(reserved, num_pages))
+        self._refs = [0] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -34,33 +34,26 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} is free: it cannot be shared"
+            self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} freed twice"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
 
-
-class KVCache:
-    """K and V of every layer: [num_layers, 2, num_pages, page_size, kv_heads, head_dim]."""
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.data = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
-
-    def k(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 0]
-
-    def v(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 1]
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
-
-
-def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize

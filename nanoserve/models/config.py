@@ -78,10 +78,6 @@ class ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_dict(json.load(f))
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h

@@ -5,8 +5,6 @@ Module names follow the Hugging Face checkpoints, except the fused `qkv_proj` an
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
@@ -79,14 +77,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LayerHooks(Protocol):
-    """Called around each layer by the forward loop (the offload subsystem's two entry points)."""
-
-    def before_layer(self, layer_id: int) -> None: ...
-
-    def after_layer(self, layer_id: int) -> None: ...
-
-
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -110,17 +100,22 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                hooks: LayerHooks | None = None) -> torch.Tensor:
-        """Final-norm hidden states of every input token."""
-        h = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            if hooks is not None:
-                hooks.before_layer(i)
-            h = layer(positions, h)
-            if hooks is not None:
-                hooks.after_layer(i)
-        return self.model.norm(h)
+    # The step executor composes a step from these three: embed, layers, head.
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of (un-normalized) last-layer hidden states."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states of every input token, every layer resident (the engine runs
+        steps through its step executor; this serves memory profiling and tests)."""
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return h

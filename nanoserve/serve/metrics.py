@@ -38,8 +38,8 @@ class EngineCollector:
     def collect(self):
         ae, model = self.ae, self.model
         engine = ae.engine
-        sched, alloc, plan = engine.scheduler, engine.allocator, engine.runner.plan
-        used = alloc.capacity - alloc.num_free
+        sched, kv = engine.scheduler, engine.kv
+        used, plan = kv.num_used, kv.plan
 
         def gauge(name: str, help_: str, value: float, **labels: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"nanoserve_{name}", help_, labels=["model", *labels])
@@ -61,11 +61,11 @@ class EngineCollector:
         pages.add_metric([model, "gpu"], used if plan.resident_layers else 0)
         pages.add_metric([model, "host"], used if plan.streamed_layers else 0)
         yield pages
-        yield gauge("kv_pages_total", "KV pages the budgets hold.", alloc.capacity)
+        yield gauge("kv_pages_total", "KV pages the budgets hold.", kv.capacity)
         nbytes = GaugeMetricFamily("nanoserve_kv_bytes_used", "KV bytes in use, by tier.",
                                    labels=["model", "tier"])
-        nbytes.add_metric([model, "gpu"], used * plan.resident_layers * plan.layer_page_bytes)
-        nbytes.add_metric([model, "host"], used * plan.streamed_layers * plan.layer_page_bytes)
+        for tier, value in kv.used_bytes().items():
+            nbytes.add_metric([model, tier], value)
         yield nbytes
         yield counter("prompt_tokens_total", "Prompt tokens admitted.",
                       ae.stats.prompt_tokens_total)

@@ -1,0 +1,148 @@
+"""One step's inputs, built once from the scheduled batch.
+
+Every per-sequence fact (where its new tokens go, whether it samples, its tail row) is computed
+in one pass; every device tensor, the offload plan's included, comes from one pinned staging
+buffer through one non-blocking copy. Nothing here synchronizes the host with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanoserve.context import ForwardContext
+from nanoserve.engine.scheduler import Batch
+from nanoserve.kv.pages import DUMMY_PAGE
+from offload import StepPlan, coalesce_runs
+
+
+@dataclass
+class StepInputs:
+    is_prefill: bool
+    num_seqs: int  # real sequences; rows past them (decode) are padding
+    samples: list[bool]  # on cpu, per sequence: this step yields its next token
+    # on device
+    input_ids: torch.Tensor  # int64 [tokens]
+    positions: torch.Tensor  # int64 [tokens]
+    slot_mapping: torch.Tensor  # int64 [tokens]: flat KV slot of each new token
+    page_tables: torch.Tensor  # int32 [rows, width]
+    context_lens: torch.Tensor | None = None  # int32 [rows], decode
+    sample_rows: torch.Tensor | None = None  # int64: hidden rows to take logits of (prefill)
+    # on cpu
+    query_lens: list[int] = field(default_factory=list)  # prefill
+    prefix_lens: list[int] = field(default_factory=list)  # prefill
+    offload: StepPlan | None = None  # what the streamer moves in this step
+
+    def context(self) -> ForwardContext:
+        return ForwardContext(self.is_prefill, self.slot_mapping, self.page_tables,
+                              query_lens=self.query_lens, prefix_lens=self.prefix_lens,
+                              context_lens=self.context_lens)
+
+
+def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool
+           ) -> dict[str, torch.Tensor]:
+    """Host arrays -> device tensors: one staging buffer (pinned on CUDA), one non-blocking
+    copy, then typed views. Each array starts on an 8-byte boundary."""
+    offsets, total = {}, 0
+    for name, a in arrays.items():
+        offsets[name] = total
+        total += -(-a.nbytes // 8) * 8
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=pin)
+    raw = host.numpy()
+    for name, a in arrays.items():
+        raw[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8) \
+            .reshape(-1)
+    dev = host.to(device, non_blocking=True)
+    return {name: dev[offsets[name]:offsets[name] + a.nbytes]
+            .view(torch.from_numpy(a[:0]).dtype).view(a.shape) for name, a in arrays.items()}
+
+
+class StepInputBuilder:
+    def __init__(self, page_size: int, device: torch.device,
+                 tail_row: Callable[[object], int] | None = None) -> None:
+        """tail_row: the KV manager's tail row of a sequence, when layers stream."""
+        self.page_size, self.device, self.tail_row = page_size, device, tail_row
+        self.pin = device.type == "cuda"
+
+    def _slot(self, pages: list[int], pos: int) -> int:
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def _page_table(self, page_lists: list[list[int]], rows: int) -> np.ndarray:
+        width = max(1, max(len(p) for p in page_lists))
+        table = np.full((rows, width), DUMMY_PAGE, dtype=np.int32)
+        for i, p in enumerate(page_lists):
+            table[i, :len(p)] = p
+        return table
+
+    def build(self, batch: Batch, pad_to: int | None = None) -> StepInputs:
+        """pad_to: decode rows to pad to (a captured graph's size)."""
+        if batch.is_prefill:
+            return self._prefill(batch)
+        return self._decode(batch, pad_to or len(batch.seqs))
+
+    def _prefill(self, batch: Batch) -> StepInputs:
+        ps = self.page_size
+        ids, pos, slots, rows, samples = [], [], [], [], []
+        load, store, init_pages, init_rows = [], [], [], []
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = s.num_cached, s.num_cached + n
+            ids += s.token_ids[start:end]
+            pos += range(start, end)
+            slots += [self._slot(s.pages, p) for p in range(start, end)]
+            samples.append(end == s.num_tokens)
+            if samples[-1]:
+                rows.append(len(ids) - 1)
+            if self.tail_row is not None:
+                load += s.pages[:-(-start // ps)]
+                store += s.pages[start // ps:-(-end // ps)]
+                if samples[-1] and end % ps:  # it decodes next: its last page becomes a tail
+                    init_pages.append(s.pages[end // ps])
+                    init_rows.append(self.tail_row(s))
+        arrays = {"ids": np.array(ids, np.int64), "pos": np.array(pos, np.int64),
+                  "slots": np.array(slots, np.int64), "rows": np.array(rows, np.int64),
+                  "table": self._page_table([s.pages for s in batch.seqs], len(batch.seqs)),
+                  "init_pages": np.array(init_pages, np.int64),
+                  "init_rows": np.array(init_rows, np.int64)}
+        t = upload(arrays, self.device, self.pin)
+        plan = None
+        if self.tail_row is not None:
+            plan = StepPlan(load_runs=coalesce_runs(load), store_runs=coalesce_runs(store))
+            if init_pages:
+                plan.init_pages, plan.init_rows = t["init_pages"], t["init_rows"]
+        return StepInputs(True, len(batch.seqs), samples, t["ids"], t["pos"], t["slots"],
+                          t["table"], sample_rows=t["rows"], query_lens=list(batch.num_new_tokens),
+                          prefix_lens=[s.num_cached for s in batch.seqs], offload=plan)
+
+    def _decode(self, batch: Batch, rows: int) -> StepInputs:
+        ps, n = self.page_size, len(batch.seqs)
+        ids = np.zeros(rows, np.int64)
+        pos = np.zeros(rows, np.int64)
+        slots = np.full(rows, DUMMY_PAGE * ps, np.int64)
+        lens = np.ones(rows, np.int32)
+        load, tail_pages, tail_rows, flush_pages, flush_rows = [], [], [], [], []
+        for i, s in enumerate(batch.seqs):
+            p = s.num_tokens - 1  # the token this step writes
+            ids[i], pos[i], slots[i], lens[i] = s.token_ids[-1], p, self._slot(s.pages, p), p + 1
+            if self.tail_row is not None:
+                load += s.pages[:p // ps]
+                tail_pages.append(s.pages[p // ps])
+                tail_rows.append(self.tail_row(s))
+                if (p + 1) % ps == 0:  # the tail fills: it goes home after the step
+                    flush_pages.append(tail_pages[-1])
+                    flush_rows.append(tail_rows[-1])
+        arrays = {"ids": ids, "pos": pos, "slots": slots, "lens": lens,
+                  "table": self._page_table([s.pages for s in batch.seqs], rows),
+                  "tail_pages": np.array(tail_pages, np.int64),
+                  "tail_rows": np.array(tail_rows, np.int64),
+                  "flush_rows": np.array(flush_rows, np.int64)}
+        t = upload(arrays, self.device, self.pin)
+        plan = None
+        if self.tail_row is not None:
+            plan = StepPlan(load_runs=coalesce_runs(load), tail_pages=t["tail_pages"],
+                            tail_rows=t["tail_rows"], flush_pages=flush_pages,
+                            flush_rows=t["flush_rows"])
+        return StepInputs(False, n, [True] * n, t["ids"], t["pos"], t["slots"], t["table"],
+                          context_lens=t["lens"], offload=plan)

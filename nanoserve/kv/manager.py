@@ -1,0 +1,174 @@
+"""The KV manager: the one owner of the KV cache.
+
+It owns the spec, every tier's storage (the resident pool; with offload the pinned host store,
+the GPU ring slots and the tails, through offload/), the pages of each sequence (reference
+counted), each decoding sequence's tail row, capacity, and which tensors each attention layer
+reads. The scheduler asks it for pages; the model runner asks it for storage.
+
+All tiers share one page-id space: page p of a resident layer is in the resident pool at p, of
+a streamed layer in the host store at p, and each ring slot mirrors the whole page range, so one
+page table serves every layer and every kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.errors import InvalidParameter
+from nanoserve.kv.pages import PageAllocator, pages_needed
+from nanoserve.kv.spec import KVSpec
+from offload import HostKVStore, LayerStreamer, ResidencyPlan, plan_residency
+
+GiB = 1 << 30
+
+
+def default_host_budget_gib() -> float:
+    """Half of the RAM available now (Linux), else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        return kib * 1024 / GiB / 2
+    except (OSError, StopIteration):
+        return 8.0
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    gpu_bytes: int
+    host_bytes: int  # 0 without offload
+    offload: bool
+    max_seqs: int
+    max_pages_per_seq: int
+    num_slots: int  # ring slots for streamed layers
+    resident_layers: int | None = None  # force the split
+
+
+def plan_kv(spec: KVSpec, budget: KVBudget) -> ResidencyPlan:
+    """How many pages, and which layers stay resident, within the budgets."""
+    layers, layer_page = spec.num_layers, spec.page_bytes(1)
+    # more pages than every sequence at full length can use are never needed
+    wanted = budget.max_seqs * budget.max_pages_per_seq + 1
+    if not budget.offload:
+        pages = min(wanted, budget.gpu_bytes // spec.page_bytes())
+        if pages < 2:  # page 0 is the dummy page: one usable page at the very least
+            raise ValueError(
+                f"GPU KV budget {budget.gpu_bytes / GiB:.4g} GiB holds no KV page: one page of "
+                f"{spec.page_size} tokens takes {spec.page_bytes():,} bytes and at least 2 are "
+                f"needed ({2 * spec.page_bytes() / GiB:.4g} GiB); raise the budget, lower "
+                f"--page-size, or use --enable-offload")
+        return ResidencyPlan(layers, layers, pages, layer_page)
+    tail_bytes = (budget.max_seqs + 1) * layer_page
+    return plan_residency(layers, layer_page, wanted, budget.gpu_bytes, budget.host_bytes,
+                          budget.num_slots, tail_bytes, budget.resident_layers)
+
+
+def bind_kv(attention_layers, kv: torch.Tensor, first: int = 0) -> None:
+    """Layers first, first+1, ... read their KV from kv[0], kv[1], ... ([L, 2, pages, ...])."""
+    for i in range(kv.shape[0]):
+        attention_layers[first + i].k_cache, attention_layers[first + i].v_cache = kv[i]
+
+
+class KVManager:
+    def __init__(self, spec: KVSpec, budget: KVBudget, device: torch.device) -> None:
+        self.spec, self.budget, self.device = spec, budget, device
+        self.plan = plan_kv(spec, budget)
+        self.pages = PageAllocator(self.plan.num_pages)
+        self.resident = spec.empty(self.plan.resident_layers, self.plan.num_pages, device)
+        self.streamer: LayerStreamer | None = None
+        if self.plan.offloading:
+            host = HostKVStore(spec.shape(self.plan.streamed_layers, self.plan.num_pages),
+                               spec.dtype, pin=device.type == "cuda")
+            self.streamer = LayerStreamer(host, budget.num_slots, budget.max_seqs, device)
+        self._free_tail_rows = list(range(budget.max_seqs))
+        self._tail_rows: dict[int, int] = {}  # seq_id -> tail row (streamed layers)
+
+    # --- capacity ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.pages.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self.pages.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pages.capacity - self.pages.num_free
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Refuses a prompt that could never run, however empty the cache."""
+        need = pages_needed(num_prompt_tokens + 1, self.spec.page_size)
+        if need > self.capacity:
+            where = "the KV budget"
+            if self.budget.offload:
+                where = (f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.2f} GiB) with the "
+                         f"host KV budget ({self.budget.host_bytes / GiB:.2f} GiB)")
+            raise InvalidParameter(
+                "prompt", f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
+                f"{self.spec.page_size} tokens; {where} holds {self.capacity}",
+                "kv_capacity_exceeded")
+
+    # --- sequences -----------------------------------------------------------------------------
+    def room(self, seq) -> int:
+        """Tokens `seq` could hold: its pages and every free page."""
+        return (len(seq.pages) + self.num_free) * self.spec.page_size
+
+    def grow(self, seq, num_tokens: int) -> bool:
+        """Gives `seq` pages for its first `num_tokens` tokens; False (nothing allocated) when
+        there are not enough free pages."""
+        need = pages_needed(num_tokens, self.spec.page_size) - len(seq.pages)
+        if need > self.num_free:
+            return False
+        if need > 0:
+            seq.pages = seq.pages + self.pages.allocate(need)
+        return True
+
+    def free(self, seq) -> None:
+        """Drops `seq`'s pages and its tail row."""
+        self.pages.free(seq.pages)
+        seq.pages = []
+        row = self._tail_rows.pop(seq.seq_id, None)
+        if row is not None:
+            self._free_tail_rows.append(row)
+
+    @property
+    def tail_rows_in_use(self) -> int:
+        return len(self._tail_rows)
+
+    def tail_row(self, seq) -> int:
+        """The row of the GPU tails that holds `seq`'s last, partly filled page while it
+        decodes with streamed layers; assigned on first use."""
+        row = self._tail_rows.get(seq.seq_id)
+        if row is None:
+            row = self._tail_rows[seq.seq_id] = self._free_tail_rows.pop()
+        return row
+
+    # --- storage -------------------------------------------------------------------------------
+    def bind(self, attention_layers) -> None:
+        """Resident layers read the resident pool; streamed layers their ring slot, for good
+        (fixed addresses, so per-layer graphs stay valid)."""
+        bind_kv(attention_layers, self.resident)
+        if self.streamer is not None:
+            first = self.plan.resident_layers
+            for j, attn in enumerate(attention_layers[first:]):
+                attn.k_cache, attn.v_cache = self.streamer.slot_kv(j)
+
+    def used_bytes(self) -> dict[str, int]:
+        """KV bytes in use, by tier (one page id holds a token range of every layer)."""
+        page = self.spec.page_bytes(1) * self.num_used
+        return {"gpu": page * self.plan.resident_layers, "host": page * self.plan.streamed_layers}
+
+    def describe(self) -> str:
+        tokens = self.capacity * self.spec.page_size
+        text = (f"KV cache: {self.capacity} pages of {self.spec.page_size} tokens = {tokens:,} "
+                f"tokens; {self.plan.describe()}")
+        if self.streamer is not None:
+            s = self.streamer
+            text += (f"\n  host store {s.host.nbytes / GiB:.2f} GiB "
+                     f"{'pinned ' if self.device.type == 'cuda' else ''}"
+                     f"(budget {self.budget.host_bytes / GiB:.1f} GiB), GPU ring {s.num_slots} "
+                     f"slots + tails {s.gpu_bytes / GiB:.2f} GiB, resident pool "
+                     f"{self.resident.numel() * self.resident.element_size() / GiB:.2f} GiB")
+        return text
