@@ -31,7 +31,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, config_default
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.loader import resolve_model_dir
+from nanoserve.models.loader import num_model_params, resolve_model_dir
 
 MODES = {
     "resident-eager": dict(enforce_eager=True),
@@ -73,14 +73,14 @@ def measure_ceilings() -> dict:
 # --- floors ---------------------------------------------------------------------------------
 def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
     emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    linear = 2 * (cfg.num_params() - emb) * tokens
+    linear = 2 * (num_model_params(cfg) - emb) * tokens
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
     return batch * (linear + attn)
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     emb = cfg.vocab_size * cfg.hidden_size  # the input embedding is gathered, not read whole
-    return (cfg.num_params() - emb) * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
+    return (num_model_params(cfg) - emb) * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
     free, _ = torch.cuda.mem_get_info()
     spec = KVSpec.for_model(cfg, EngineConfig().page_size, torch.bfloat16)
     kv = batch * (input_len + args.output_len) * spec.token_bytes()
-    weights = cfg.num_params() * 2
+    weights = num_model_params(cfg) * 2
     return weights + kv < 0.9 * free
 
 

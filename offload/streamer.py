@@ -114,14 +114,6 @@ class LayerStreamer:
         if p.init_pages is not None:
             self.tails[j].index_copy_(1, p.init_rows, slot.index_select(1, p.init_pages))
 
-    def before_layer(self, j: int) -> None:
-        self.wait_loaded(j)
-        self.tail_in(j)
-
-    def after_layer(self, j: int) -> None:
-        self.tail_out(j)
-        self.finish_layer(j)
-
     def finish_layer(self, j: int) -> None:
         """Compute on slot j is issued: mark it, send prefill KV home, prefetch layer j+slots."""
         s = j % self.num_slots

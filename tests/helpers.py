@@ -1,13 +1,23 @@
-"""Test-only helpers that reach into the engine to get all-position logits."""
+"""The tests' shared helpers: one LLM factory, all-position logits, host-KV corruption."""
 
 from __future__ import annotations
 
 import torch
 
-from nanoserve import SamplingParams
+from nanoserve import LLM, SamplingParams
 from nanoserve.context import forward_context
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
+
+
+def make_llm(path, **kw) -> LLM:
+    """The tests' LLM: a local model, no progress bars, 4-token pages (many page boundaries
+    in short prompts), on the CPU in float32 unless the test asks for another device."""
+    kw.setdefault("page_size", 4)
+    kw.setdefault("device", "cpu")
+    if kw["device"] == "cpu":
+        kw.setdefault("dtype", "float32")
+    return LLM(str(path), progress=False, **kw)
 
 
 @torch.inference_mode()

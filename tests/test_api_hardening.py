@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import random_prompts
+from helpers import make_llm
 
 from nanoserve import LLM, InvalidParameter, SamplingParams
 
@@ -63,7 +64,7 @@ def test_sampling_params_are_immutable_and_replace_revalidates():
 
 
 def test_a_huge_seed_within_64_bits_runs(qwen3_dir):
-    llm = LLM(str(qwen3_dir), progress=False, device="cpu", dtype="float32", page_size=4)
+    llm = make_llm(qwen3_dir)
     for seed in (2**64 - 1, -(2**63)):
         out = llm.generate([1, 2, 3], SamplingParams(seed=seed, max_tokens=3))[0]
         assert out.error is None and len(out.token_ids) == 3
@@ -71,7 +72,7 @@ def test_a_huge_seed_within_64_bits_runs(qwen3_dir):
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), progress=False, device="cpu", dtype="float32", page_size=4)
+    return make_llm(qwen3_dir)
 
 
 def idle(llm) -> bool:

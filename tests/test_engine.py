@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
+from helpers import make_llm
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kv.pages import OutOfPages, PageAllocator
 from nanoserve.kv.spec import KVSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def make_llm(path, **kw):
-    kw.setdefault("page_size", 4)
-    return LLM(str(path), progress=False, device="cpu", dtype="float32", **kw)
 
 
 def tokens(outputs):

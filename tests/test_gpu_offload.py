@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import corrupt_host_kv
+from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import LLM, SamplingParams
 
@@ -25,8 +25,8 @@ def model_dir(tmp_path_factory):
 
 
 def llm_for(path, **kw):
-    return LLM(str(path), progress=False, page_size=16, max_num_seqs=8, max_model_len=4096,
-               max_num_batched_tokens=512, **kw)
+    return make_llm(path, device="cuda", page_size=16, max_num_seqs=8, max_model_len=4096,
+                    max_num_batched_tokens=512, **kw)
 
 
 @pytest.mark.parametrize("eager", [True, False])

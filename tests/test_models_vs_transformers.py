@@ -5,23 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
-from helpers import engine_prefill_logits
+from helpers import engine_prefill_logits, make_llm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def make_llm(path, **kw):
-    kw.setdefault("page_size", 8)
-    kw.setdefault("device", "cpu")
-    kw.setdefault("dtype", "float32")
-    return LLM(str(path), progress=False, **kw)
+def llm_of(path, **kw):
+    return make_llm(path, **{"page_size": 8, **kw})
 
 
 def test_prefill_logits_match_transformers(hf_model_dir):
     arch, hf, path = hf_model_dir
-    llm = make_llm(path)
+    llm = llm_of(path)
     ids = random_prompts(1, [45])[0]
     ours = engine_prefill_logits(llm, ids)
     with torch.no_grad():
@@ -32,7 +29,7 @@ def test_prefill_logits_match_transformers(hf_model_dir):
 
 def test_greedy_continuation_matches_transformers_generate(hf_model_dir):
     arch, hf, path = hf_model_dir
-    llm = make_llm(path)
+    llm = llm_of(path)
     for ids in random_prompts(2, [13, 30], seed=1):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
@@ -44,7 +41,7 @@ def test_greedy_continuation_matches_transformers_generate(hf_model_dir):
 
 def test_decode_logits_match_prefill_logits(qwen3_dir):
     """Each decode step's KV path (paged cache, pages crossed) equals a full recompute."""
-    llm = make_llm(qwen3_dir, page_size=4)
+    llm = llm_of(qwen3_dir, page_size=4)
     ids = random_prompts(1, [9])[0]
     (out,) = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     full = engine_prefill_logits(llm, ids + out.token_ids)
@@ -56,7 +53,7 @@ def test_tied_embeddings_share_the_embedding_matrix(arch, tmp_path):
     from conftest import make_hf_model
 
     hf = make_hf_model(arch, tmp_path, tie_word_embeddings=True)
-    llm = make_llm(tmp_path)
+    llm = llm_of(tmp_path)
     model = llm.engine.runner.model
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = random_prompts(1, [20])[0]

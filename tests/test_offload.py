@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_hf_model, random_prompts
-from helpers import corrupt_host_kv
+from helpers import corrupt_host_kv, make_llm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 from offload import coalesce_runs, plan_residency
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -20,9 +20,8 @@ def six_layer_dir(tmp_path_factory):
     return path
 
 
-def make_llm(path, **kw):
-    return LLM(str(path), progress=False, device="cpu", dtype="float32", page_size=4,
-               max_num_batched_tokens=7, max_num_seqs=8, max_model_len=256, **kw)
+def offload_llm(path, **kw):
+    return make_llm(path, max_num_batched_tokens=7, max_num_seqs=8, max_model_len=256, **kw)
 
 
 def run(llm, prompts):
@@ -34,8 +33,8 @@ def run(llm, prompts):
 def test_offload_gives_the_same_tokens_as_resident(six_layer_dir, resident, slots, batch):
     # prompts end mid-page and mid-chunk; 30 new tokens cross several page boundaries
     prompts = random_prompts(batch, [19, 6, 33, 12], seed=batch)
-    ref = run(make_llm(six_layer_dir), prompts)
-    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=resident,
+    ref = run(offload_llm(six_layer_dir), prompts)
+    llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=resident,
                    num_kv_buffers=slots, host_kv_budget_gib=0.01)
     kv = llm.engine.kv
     assert kv.plan.resident_layers == resident
@@ -47,9 +46,9 @@ def test_offload_gives_the_same_tokens_as_resident(six_layer_dir, resident, slot
 
 def test_offload_with_preemption_gives_the_same_tokens(six_layer_dir):
     prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
-    ref = run(make_llm(six_layer_dir), prompts)
+    ref = run(offload_llm(six_layer_dir), prompts)
     # 40 pages of 4 tokens for 4 sequences of ~50 tokens: decode must preempt
-    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=2, num_kv_buffers=2,
+    llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=2, num_kv_buffers=2,
                    host_kv_budget_gib=4 * 41 * 2 * 4 * 2 * 16 * 4 / 2**30)
     assert llm.engine.kv.capacity == 40
     assert run(llm, prompts) == ref
@@ -61,9 +60,9 @@ def test_streamed_kv_is_what_attention_reads(six_layer_dir):
     """Corrupting one streamed layer's host KV after prefill changes the tokens: the equality
     tests above really compare data that went through the host store."""
     prompt = random_prompts(1, [30], seed=9)[0]
-    clean = make_llm(six_layer_dir, enable_offload=True, resident_layers=3)
+    clean = offload_llm(six_layer_dir, enable_offload=True, resident_layers=3)
     ref = run(clean, [prompt])[0]
-    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=3)
+    llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=3)
     engine = llm.engine
     (seq,) = engine.add_request(prompt, GREEDY)
     while seq.num_output_tokens == 0:
@@ -76,17 +75,17 @@ def test_streamed_kv_is_what_attention_reads(six_layer_dir):
 
 
 def test_offload_with_room_for_everything_streams_nothing(six_layer_dir):
-    llm = make_llm(six_layer_dir, enable_offload=True, host_kv_budget_gib=0.01)
+    llm = offload_llm(six_layer_dir, enable_offload=True, host_kv_budget_gib=0.01)
     assert llm.engine.kv.plan.resident_layers == 6
     assert llm.engine.kv.streamer is None
 
 
 def test_request_larger_than_both_budgets_is_refused_naming_them(six_layer_dir):
-    llm = make_llm(six_layer_dir, enable_offload=True, resident_layers=2,
+    llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=2,
                    host_kv_budget_gib=4 * 11 * 2 * 4 * 2 * 16 * 4 / 2**30)
     outs = llm.generate(random_prompts(2, [60, 10]), GREEDY)
     assert "GPU KV budget" in outs[0].error and "host KV budget" in outs[0].error
-    assert outs[1].error is None and outs[1].token_ids == run(make_llm(six_layer_dir),
+    assert outs[1].error is None and outs[1].token_ids == run(offload_llm(six_layer_dir),
                                                              [random_prompts(2, [60, 10])[1]])[0]
 
 

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import random_prompts
+from helpers import make_llm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 from nanoserve.engine.sampler import (
     apply_penalties,
     build_sampling_tensors,
@@ -184,10 +185,6 @@ def test_logit_bias_forces_its_token_greedy_and_sampled():
 
 
 # --- through the engine, on a tiny model --------------------------------------------------------
-
-def make_llm(path, **kw):
-    return LLM(str(path), progress=False, device="cpu", dtype="float32", page_size=4, **kw)
-
 
 def test_seeded_request_is_identical_alone_and_in_any_batch(qwen3_dir):
     llm = make_llm(qwen3_dir)

@@ -77,10 +77,3 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_dict(json.load(f))
-
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        per_layer = attn + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h

@@ -115,11 +115,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        """Sequences submitted and not finished (a request of n completions counts n)."""
-        return self._in_flight
-
     async def submit(self, token_ids: list[int], params: SamplingParams,
                      max_in_flight: int | None = None) -> RequestStream:
         """Queues a request. Raises ValueError (InvalidParameter, from the engine) when it
