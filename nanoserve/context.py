@@ -24,7 +24,11 @@ class ForwardContext:
     prefix_lens: list[int] = field(default_factory=list)  # on cpu: tokens cached before this step
     # decode only
     context_lens: torch.Tensor | None = None  # on device, [batch]: tokens incl. the new one
-    attn_meta: object = None  # owned by the attention backend
+    attn_meta: AttentionMetadata | None = None  # set by the attention backend's prepare
+
+
+class AttentionMetadata:
+    """Base of each attention backend's own per-step metadata (a dataclass per backend)."""
 
 
 _local = threading.local()  # per thread: two engines on two threads never see each other's

@@ -4,13 +4,17 @@ streamed layers give exactly the tokens of resident ones."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_hf_model, random_prompts
 from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import SamplingParams
+from nanoserve.kv.spec import KVSpec
 from offload import coalesce_runs, plan_residency
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+# one 4-token page of the 4 streamed layers (resident_layers=2 of 6), fp32
+STREAMED_PAGE_BYTES = KVSpec(6, 4, 2, 16, torch.float32).page_bytes(num_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,7 @@ def test_offload_with_preemption_gives_the_same_tokens(six_layer_dir):
     ref = run(offload_llm(six_layer_dir), prompts)
     # 40 pages of 4 tokens for 4 sequences of ~50 tokens: decode must preempt
     llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=2, num_kv_buffers=2,
-                   host_kv_budget_gib=4 * 41 * 2 * 4 * 2 * 16 * 4 / 2**30)
+                   host_kv_budget_gib=41 * STREAMED_PAGE_BYTES / 2**30)
     assert llm.engine.kv.capacity == 40
     assert run(llm, prompts) == ref
     assert llm.engine.scheduler.num_preemptions > 0
@@ -82,7 +86,7 @@ def test_offload_with_room_for_everything_streams_nothing(six_layer_dir):
 
 def test_request_larger_than_both_budgets_is_refused_naming_them(six_layer_dir):
     llm = offload_llm(six_layer_dir, enable_offload=True, resident_layers=2,
-                   host_kv_budget_gib=4 * 11 * 2 * 4 * 2 * 16 * 4 / 2**30)
+                   host_kv_budget_gib=11 * STREAMED_PAGE_BYTES / 2**30)
     outs = llm.generate(random_prompts(2, [60, 10]), GREEDY)
     assert "GPU KV budget" in outs[0].error and "host KV budget" in outs[0].error
     assert outs[1].error is None and outs[1].token_ids == run(offload_llm(six_layer_dir),

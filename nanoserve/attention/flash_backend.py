@@ -3,11 +3,21 @@ the page table directly. Needs page_size to be a multiple of 256."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from nanoserve.attention.backend import AttentionBackend
-from nanoserve.context import ForwardContext
+from nanoserve.context import AttentionMetadata, ForwardContext
+
+
+@dataclass
+class FlashPrefillMetadata(AttentionMetadata):
+    cu_q: torch.Tensor  # on device, int32 [batch + 1]: query offsets
+    cu_k: torch.Tensor  # on device, int32 [batch + 1]: KV offsets (prefix + query)
+    max_q: int
+    max_k: int
 
 
 class FlashBackend(AttentionBackend):
@@ -25,10 +35,11 @@ class FlashBackend(AttentionBackend):
                                 dtype=torch.int32).to(dev, non_blocking=True)
             cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()],
                                 dtype=torch.int32).to(dev, non_blocking=True)
-            ctx.attn_meta = (cu_q, cu_k, max(ctx.query_lens), max(kv_lens))
+            ctx.attn_meta = FlashPrefillMetadata(cu_q, cu_k, max(ctx.query_lens), max(kv_lens))
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
-        cu_q, cu_k, max_q, max_k = ctx.attn_meta
+        m = ctx.attn_meta
+        cu_q, cu_k, max_q, max_k = m.cu_q, m.cu_k, m.max_q, m.max_k
         return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, max_q, max_k,
                                       softmax_scale=layer.scale, causal=True,
                                       block_table=ctx.page_tables)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanoserve.attention.backend import AttentionBackend, sdpa_prefill
 from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
-from nanoserve.context import ForwardContext
+from nanoserve.context import AttentionMetadata, ForwardContext
+
+
+@dataclass
+class TritonDecodeMetadata(AttentionMetadata):
+    num_splits: int  # KV splits per (sequence, kv head): a function of the batch size only
 
 
 class TritonBackend(AttentionBackend):
@@ -24,11 +31,12 @@ class TritonBackend(AttentionBackend):
     def prepare(self, ctx: ForwardContext) -> None:
         if not ctx.is_prefill:
             bs = ctx.context_lens.shape[0]
-            ctx.attn_meta = num_splits_for(bs, self.num_kv_heads, self.max_len, self.num_sms)
+            ctx.attn_meta = TritonDecodeMetadata(
+                num_splits_for(bs, self.num_kv_heads, self.max_len, self.num_sms))
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         return sdpa_prefill(q, k, v, layer, ctx)
 
     def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,
-                                      ctx.context_lens, layer.scale, ctx.attn_meta)
+                                      ctx.context_lens, layer.scale, ctx.attn_meta.num_splits)
