@@ -48,7 +48,7 @@ def main() -> None:
     logits = (torch.randn(a.batch_size, a.vocab, device=dev) * 4).to(torch.bfloat16).float()
     ids = torch.randint(0, a.vocab, (a.context,)).tolist()
     for name, p in CONFIGS.items():
-        seqs = [SimpleNamespace(params=p, seed=i, token_ids=ids, num_tokens=len(ids),
+        seqs = [SimpleNamespace(params=p, seed=i, seq_id=i, token_ids=ids, num_tokens=len(ids),
                                 num_prompt_tokens=512) for i in range(a.batch_size)]
 
         def step(seqs=seqs):  # a bf16 model's logits: sorted as bf16, as the engine does
