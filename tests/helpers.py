@@ -11,13 +11,14 @@ from nanoserve.engine.sequence import Sequence
 
 
 def make_llm(path, **kw) -> LLM:
-    """The tests' LLM: a local model, no progress bars, 4-token pages (many page boundaries
-    in short prompts), on the CPU in float32 unless the test asks for another device."""
+    """The tests' LLM: a local model (None: the embedded one), no progress bars, 4-token pages
+    (many page boundaries in short prompts), on the CPU in float32 unless the test asks for
+    another device."""
     kw.setdefault("page_size", 4)
     kw.setdefault("device", "cpu")
     if kw["device"] == "cpu":
         kw.setdefault("dtype", "float32")
-    return LLM(str(path), progress=False, **kw)
+    return LLM(None if path is None else str(path), progress=False, **kw)
 
 
 @torch.inference_mode()

@@ -106,6 +106,34 @@ def test_stop_string_truncates_text():
     assert out.text == free[:free.index(stop)]
 
 
+def test_stop_strings_cost_a_window_per_step_not_the_whole_output():
+    """A stop string that never matches, over 300 tokens: each step decodes a bounded window
+    (4 x the longest stop string + 8 tokens), and the cut equals the full-text rule when one
+    matches late."""
+    llm = make_llm(None, page_size=16)
+    sched = llm.engine.scheduler
+    real, longest = sched.detokenize, []
+
+    def counting(ids):
+        longest.append(len(ids))
+        return real(ids)
+
+    sched.detokenize = counting
+    prompt = "the quick brown fox"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=300,
+                                               ignore_eos=True))[0].text
+    longest.clear()
+    stops = ["\u2603 never", "zz"]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=300, stop=stops,
+                                              ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.text == free
+    assert len(longest) == 300 and max(longest) == 4 * len(stops[0]) + 8
+    late = free[250:253]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=300,
+                                              stop=["\u2603 never", late], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.text == free[:free.index(late)]
+
+
 def test_max_model_len_ends_generation(qwen3_dir):
     llm = make_llm(qwen3_dir, max_model_len=32)
     out = llm.generate(random_prompts(1, [28])[0], GREEDY)[0]

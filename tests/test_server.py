@@ -213,6 +213,22 @@ def test_incremental_detokenizer_never_splits_a_character(ref_llm):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_incremental_detokenizer_windows_stay_short_over_invalid_bytes(ref_llm):
+    """200 tokens of lone continuation bytes (never a character): each call decodes a short
+    window, and the text equals decoding everything at once."""
+    tok = ref_llm.tokenizer
+    bad = tok.encode("\u00e9", add_special_tokens=False)[-1]  # the continuation byte 0xA9
+    ids = tok.encode("ok ", add_special_tokens=False) + [bad] * 200 + \
+        tok.encode(" end \u65e5", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    widths = []
+    real = detok._decode
+    detok._decode = lambda window: (widths.append(len(window)), real(window))[1]
+    text = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    assert max(widths) <= 4 + 4 + 1  # context + pending + the new token
+
+
 def test_sixteen_concurrent_streams(server, ref_llm):
     prompts = [" ".join(["grass"] * (3 + 5 * i)) for i in range(16)]
     max_tokens = [8 + 7 * i for i in range(16)]

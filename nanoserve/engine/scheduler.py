@@ -155,12 +155,15 @@ class Scheduler:
         if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.detokenize is not None:
-            text = self.detokenize(seq.output_token_ids)
-            for s in p.stop:
-                i = text.find(s)
-                if i >= 0:
-                    seq.output_text = text[:i]
-                    return "stop"
+            # Only the recent tokens can complete a stop string (earlier ones were checked in
+            # earlier steps): decoding a window keeps a step's cost independent of the output's
+            # length. A token holds at least one byte, a character at most four.
+            window = 4 * max(len(s) for s in p.stop) + 8
+            recent = self.detokenize(seq.output_token_ids[-window:])
+            if any(s in recent for s in p.stop):
+                text = self.detokenize(seq.output_token_ids)
+                seq.output_text = text[:min(i for s in p.stop if (i := text.find(s)) >= 0)]
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -29,10 +29,19 @@ class IncrementalDetokenizer:
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        piece = after[len(before):]
-        self.read_offset = len(self.ids)
-        self.prefix_offset = max(0, self.read_offset - self.context_tokens)
+            if len(self.ids) - self.read_offset <= 4:
+                return ""
+            # A character is at most 4 bytes and a token at least one: a U+FFFD that 4 more
+            # tokens did not complete is invalid bytes. Release all but the last 3 tokens (a
+            # character may still be arriving there), so the window stays short.
+            end = len(self.ids) - 3
+            after = self._decode(self.ids[self.prefix_offset:end])
+            return self._release(after[len(before):], end)
+        return self._release(after[len(before):], len(self.ids))
+
+    def _release(self, piece: str, end: int) -> str:
+        self.read_offset = end
+        self.prefix_offset = max(0, end - self.context_tokens)
         self.text += piece
         return piece
 
