@@ -53,6 +53,10 @@ class EngineConfig:
                                  "alone.")
     seed: int = _field(0, "Seed of dummy weights, synthetic prompts and requests that bring no "
                        "seed.")
+    enable_prefix_caching: bool = _field(True, "Reuse the KV of full pages whose tokens (and "
+                                         "every token before them) a new request shares with "
+                                         "an earlier one; unused cached pages are evicted "
+                                         "least recently used first.")
     # offload (the offload/ package); the engine only reads these
     enable_offload: bool = _field(False, "Keep KV of layers that do not fit the GPU budget in "
                                   "pinned host memory and stream it through GPU ring buffers.")

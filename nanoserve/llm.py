@@ -89,7 +89,8 @@ class LLM:
             tpot = sum(tpots) / len(tpots) if tpots else None
         outs = [CompletionOutput(s.index, self.engine.decode_text(s), s.output_token_ids,
                                  s.finish_reason, s.logprobs, s.error) for s in group]
-        return RequestOutput(first.token_ids[:first.num_prompt_tokens], outs, ttft_s=ttft,
+        return RequestOutput(first.token_ids[:first.num_prompt_tokens], outs,
+                             num_cached_tokens=first.num_cached_tokens or 0, ttft_s=ttft,
                              tpot_s=tpot)
 
 

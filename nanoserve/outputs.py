@@ -31,6 +31,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)  # n of them, by index
     error: str | None = None  # the request was refused: no outputs
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     ttft_s: float | None = None
     tpot_s: float | None = None  # mean time per output token after the first
 

@@ -28,12 +28,18 @@ VALUES = {"model": ("some-model", "some-model"), "dtype": ("fp16", "float16"),
           "gpu_memory_utilization": ("0.5", 0.5), "gpu_kv_budget_gib": ("1.5", 1.5),
           "enforce_eager": (None, True), "max_graph_batch_size": ("8", 8),
           "attention_backend": ("torch", "torch"), "dummy_weights": (None, True),
-          "seed": ("7", 7), "enable_offload": (None, True), "host_kv_budget_gib": ("2.5", 2.5),
+          "seed": ("7", 7), "enable_prefix_caching": (None, False),
+          "enable_offload": (None, True), "host_kv_budget_gib": ("2.5", 2.5),
           "num_kv_buffers": ("3", 3), "resident_layers": ("1", 1)}
 
 
 def option_name(f: dataclasses.Field) -> str:
     return ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
+
+
+def switch_name(f: dataclasses.Field) -> str:
+    """The option that sets a non-default value: --no-X for a flag that defaults to on."""
+    return "--no-" + option_name(f)[2:] if f.default is True else option_name(f)
 
 
 def engine_params(command: str) -> dict[str, click.Option]:
@@ -107,7 +113,7 @@ def test_every_option_reaches_the_config(captured):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     assert set(VALUES) == {f.name for f in FIELDS}
-    args = [a for f in FIELDS for a in (option_name(f), VALUES[f.name][0]) if a is not None]
+    args = [a for f in FIELDS for a in (switch_name(f), VALUES[f.name][0]) if a is not None]
     run("serve", *args)
     assert captured[-1] == EngineConfig(**{name: v for name, (_, v) in VALUES.items()})
     run("serve")

@@ -213,6 +213,25 @@ def test_incremental_detokenizer_never_splits_a_character(ref_llm):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_usage_reports_prompt_tokens_served_by_the_prefix_cache(server, client):
+    """A 70-token prompt sent three times: the 2nd and 3rd (streamed) reuse its 4 full pages
+    (64 tokens), report them as cached_tokens, and /metrics counts the hits."""
+    prompt = torch.randint(0, 250, (70,), generator=torch.Generator().manual_seed(77)).tolist()
+    before = metrics(server)
+    kw = dict(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    first, second = (client.completions.create(**kw) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    assert second.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    m = metrics(server)
+    hits = "nanoserve_prefix_cache_hits_total"
+    assert m[hits] - before.get(hits, 0) == 128
+    assert m["nanoserve_prefix_cache_pages"] >= 4 and 0 < m["nanoserve_prefix_cache_hit_rate"]
+
+
 def test_incremental_detokenizer_windows_stay_short_over_invalid_bytes(ref_llm):
     """200 tokens of lone continuation bytes (never a character): each call decodes a short
     window, and the text equals decoding everything at once."""

@@ -43,7 +43,7 @@ class ModelRunner:
         budget = KVBudget(self._gpu_budget_bytes(spec), int(host_gib * GiB), cfg.enable_offload,
                           cfg.max_num_seqs, max_pages_per_seq, cfg.num_kv_buffers,
                           cfg.resident_layers)
-        self.kv = KVManager(spec, budget, self.device)
+        self.kv = KVManager(spec, budget, self.device, cfg.enable_prefix_caching)
         self.kv.bind(model.attention_layers)
         streaming = self.kv.streamer is not None
         self.inputs = StepInputBuilder(cfg.page_size, self.device,

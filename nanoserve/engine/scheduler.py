@@ -72,14 +72,24 @@ class Scheduler:
     def _schedule_prefill(self) -> Batch | None:
         budget = self.max_num_batched_tokens
         seqs, counts = [], []
+        claimed = self._pages_being_computed()
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
+            if not seq.prefilling:
+                self.kv.reuse_prefix(seq)
+                # another prefill is computing the page it needs next: reuse it next step
+                # (only sequences that have not started wait, so no two wait for each other)
+                if self.kv.next_page_key(seq) in claimed:
+                    break
+                self.kv.count_reuse(seq)
             chunk = min(seq.num_tokens - seq.num_cached, budget,
                         self.kv.room(seq) - seq.num_cached)
             if chunk <= 0:
                 break
             self.kv.grow(seq, seq.num_cached + chunk)
+            seq.prefilling = True
+            claimed |= self._pages_being_computed([seq])
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             seqs.append(seq)
@@ -88,6 +98,15 @@ class Scheduler:
             if seq.num_cached + chunk < seq.num_tokens:
                 break  # a partial chunk: this prompt continues next step, nothing behind it now
         return Batch(True, seqs, counts) if seqs else None
+
+    def _pages_being_computed(self, seqs=None) -> set[bytes]:
+        """Prefix-cache keys of the full prompt pages that prefills under way will compute."""
+        keys: set[bytes] = set()
+        for s in self.waiting if seqs is None else seqs:
+            if s.prefilling and self.kv.cache is not None:
+                full = (s.num_tokens - 1) // self.kv.spec.page_size
+                keys.update(self.kv.page_keys(s, full)[s.num_cached // self.kv.spec.page_size:])
+        return keys
 
     def _schedule_decode(self, finished: list[Sequence]) -> Batch | None:
         batch = []
@@ -109,7 +128,7 @@ class Scheduler:
         for other in reversed(self.waiting):
             if other.pages:
                 self.kv.free(other)
-                other.num_cached = 0
+                other.num_cached, other.prefilling = 0, False
                 return True
         if len(self.running) > 1:
             self._preempt(self.running[-1])
@@ -119,7 +138,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
-        seq.num_cached = 0
+        seq.num_cached, seq.prefilling = 0, False
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -133,13 +152,14 @@ class Scheduler:
         for seq, n, tok, lp in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs,
                                    strict=True):
             seq.num_cached += n
+            self.kv.cache_full_pages(seq)
             if tok is None:
                 continue  # a prompt chunk that did not reach the prompt's end
             if seq.logprobs is not None and lp is not None:
                 seq.logprobs.append(lp)
             if seq.status == Status.WAITING:
                 self.waiting.remove(seq)
-                seq.status = Status.RUNNING
+                seq.status, seq.prefilling = Status.RUNNING, False
                 self.running.append(seq)
             seq.token_ids.append(tok)
             if seq.first_token_time is None:

@@ -33,6 +33,10 @@ class Sequence:
         self.pages: list[int] = []
         # Invariant: KV of token_ids[:num_cached] is in this sequence's pages.
         self.num_cached = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
+        self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages, as computed
+        self.num_pages_cached = 0  # its first pages that are in the prefix cache
+        self.prefilling = False  # computing its prompt (others wait to reuse its pages)
         self.finish_reason: str | None = None  # stop | length | abort | error
         self.error: str | None = None  # why finish_reason is "error"
         self.output_text: str | None = None  # set when a stop string cut the text

@@ -60,6 +60,12 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool
             .view(torch.from_numpy(a[:0]).dtype).view(a.shape) for name, a in arrays.items()}
 
 
+def distinct_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Runs of the distinct pages: a page shared by several sequences (a cached prefix) crosses
+    PCIe once per step, not once per sequence."""
+    return coalesce_runs(sorted(set(pages)))
+
+
 class StepInputBuilder:
     def __init__(self, page_size: int, device: torch.device,
                  tail_row: Callable[[object], int] | None = None) -> None:
@@ -109,7 +115,7 @@ class StepInputBuilder:
         t = upload(arrays, self.device, self.pin)
         plan = None
         if self.tail_row is not None:
-            plan = StepPlan(load_runs=coalesce_runs(load), store_runs=coalesce_runs(store))
+            plan = StepPlan(load_runs=distinct_runs(load), store_runs=coalesce_runs(store))
             if init_pages:
                 plan.init_pages, plan.init_rows = t["init_pages"], t["init_rows"]
         return StepInputs(True, len(batch.seqs), samples, t["ids"], t["pos"], t["slots"],
@@ -141,7 +147,7 @@ class StepInputBuilder:
         t = upload(arrays, self.device, self.pin)
         plan = None
         if self.tail_row is not None:
-            plan = StepPlan(load_runs=coalesce_runs(load), tail_pages=t["tail_pages"],
+            plan = StepPlan(load_runs=distinct_runs(load), tail_pages=t["tail_pages"],
                             tail_rows=t["tail_rows"], flush_pages=flush_pages,
                             flush_rows=t["flush_rows"])
         return StepInputs(False, n, [True] * n, t["ids"], t["pos"], t["slots"], t["table"],

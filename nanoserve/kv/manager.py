@@ -18,6 +18,7 @@ import torch
 
 from nanoserve.errors import InvalidParameter
 from nanoserve.kv.pages import PageAllocator, pages_needed
+from nanoserve.kv.prefix_cache import PrefixCache, chain_hashes
 from nanoserve.kv.spec import KVSpec
 from offload import HostKVStore, LayerStreamer, ResidencyPlan, plan_residency
 
@@ -71,10 +72,12 @@ def bind_kv(attention_layers, kv: torch.Tensor, first: int = 0) -> None:
 
 
 class KVManager:
-    def __init__(self, spec: KVSpec, budget: KVBudget, device: torch.device) -> None:
+    def __init__(self, spec: KVSpec, budget: KVBudget, device: torch.device,
+                 prefix_caching: bool = False) -> None:
         self.spec, self.budget, self.device = spec, budget, device
         self.plan = plan_kv(spec, budget)
-        self.pages = PageAllocator(self.plan.num_pages)
+        self.cache = PrefixCache() if prefix_caching else None
+        self.pages = PageAllocator(self.plan.num_pages, cache=self.cache)
         self.resident = spec.empty(self.plan.resident_layers, self.plan.num_pages, device)
         self.streamer: LayerStreamer | None = None
         if self.plan.offloading:
@@ -126,12 +129,64 @@ class KVManager:
         return True
 
     def free(self, seq) -> None:
-        """Drops `seq`'s pages and its tail row."""
+        """Drops `seq`'s pages (cached ones stay reusable until evicted) and its tail row."""
         self.pages.free(seq.pages)
         seq.pages = []
+        seq.num_pages_cached = 0
         row = self._tail_rows.pop(seq.seq_id, None)
         if row is not None:
             self._free_tail_rows.append(row)
+
+    # --- prefix caching -------------------------------------------------------------------------
+    def page_keys(self, seq, num_pages: int) -> list[bytes]:
+        """Cache keys of `seq`'s first `num_pages` full pages (computed once, then kept)."""
+        keys, ps = seq.page_keys, self.spec.page_size
+        if len(keys) < num_pages:
+            keys += chain_hashes(seq.token_ids[:num_pages * ps], ps, len(keys),
+                                 keys[-1] if keys else b"")
+        return keys[:num_pages]
+
+    def reuse_prefix(self, seq) -> None:
+        """Before a sequence computes anything itself, it takes the longest run of cached pages
+        its tokens start with (all but the last: a step computes at least one token, for its
+        logits), extending what it took when it last waited."""
+        if self.cache is None:
+            return
+        ps = self.spec.page_size
+        have = len(seq.pages)
+        keys = self.page_keys(seq, (seq.num_tokens - 1) // ps)
+        more = self.cache.lookup(keys[have:])  # keys chain: each one names its whole prefix
+        self.pages.share(more)
+        seq.pages = seq.pages + more
+        seq.num_pages_cached = len(seq.pages)
+        seq.num_cached = len(seq.pages) * ps
+
+    def count_reuse(self, seq) -> None:
+        """`seq` is admitted: what it reused is what its request reports."""
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_cached
+            if self.cache is not None:
+                self.cache.queried_tokens += seq.num_prompt_tokens
+                self.cache.hit_tokens += seq.num_cached
+
+    def next_page_key(self, seq) -> bytes | None:
+        """The key of the page `seq` computes next, if its prompt fills that page."""
+        if self.cache is None:
+            return None
+        i = seq.num_cached // self.spec.page_size
+        if (i + 1) * self.spec.page_size > seq.num_tokens - 1:
+            return None
+        return self.page_keys(seq, i + 1)[i]
+
+    def cache_full_pages(self, seq) -> None:
+        """Caches the pages `seq` has filled with computed KV since it was last asked."""
+        if self.cache is None:
+            return
+        full = seq.num_cached // self.spec.page_size
+        for i, key in enumerate(self.page_keys(seq, full)[seq.num_pages_cached:full],
+                                seq.num_pages_cached):
+            self.cache.add(key, seq.pages[i])
+        seq.num_pages_cached = max(seq.num_pages_cached, full)
 
     @property
     def tail_rows_in_use(self) -> int:

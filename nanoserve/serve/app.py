@@ -376,7 +376,8 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256, *
                         "finish_reason": FINISH_REASONS[c.finish_reason]})
         return JSONResponse(completion_body(req_id, model_name, req.chat, out,
                                             stream.num_prompt_tokens,
-                                            sum(len(c.ids) for c in choices)))
+                                            sum(len(c.ids) for c in choices),
+                                            stream.num_cached_tokens))
 
     async def events(req: ParsedRequest, req_id: str,
                      stream: RequestStream) -> AsyncIterator[str]:
@@ -428,7 +429,8 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256, *
                                else "text_completion", "created": int(time.time()),
                                "model": model_name, "choices": [],
                                "usage": usage(stream.num_prompt_tokens,
-                                              sum(len(c.ids) for c in choices))})
+                                              sum(len(c.ids) for c in choices),
+                                              stream.num_cached_tokens)})
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away: free the request's pages now

@@ -61,6 +61,11 @@ class RequestStream:
     def put(self, delta: Delta) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (set when the request was admitted)."""
+        return (self.seqs[0].num_cached_tokens or 0) if self.seqs else 0
+
 
 @dataclass
 class EngineStats:

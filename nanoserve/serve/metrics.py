@@ -62,6 +62,18 @@ class EngineCollector:
         pages.add_metric([model, "host"], used if plan.streamed_layers else 0)
         yield pages
         yield gauge("kv_pages_total", "KV pages the budgets hold.", kv.capacity)
+        if kv.cache is not None:
+            yield gauge("prefix_cache_pages", "KV pages in the prefix cache (in use or not).",
+                        len(kv.cache))
+            yield gauge("prefix_cache_evictable_pages", "Cached KV pages no request holds.",
+                        kv.pages.num_evictable)
+            yield counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                          "cache.", kv.cache.queried_tokens)
+            yield counter("prefix_cache_hits_total", "Prompt tokens served from the prefix "
+                          "cache.", kv.cache.hit_tokens)
+            hit_rate = kv.cache.hit_tokens / max(1, kv.cache.queried_tokens)
+            yield gauge("prefix_cache_hit_rate", "Share of prompt tokens served from the "
+                        "prefix cache, since start.", hit_rate)
         nbytes = GaugeMetricFamily("nanoserve_kv_bytes_used", "KV bytes in use, by tier.",
                                    labels=["model", "tier"])
         for tier, value in kv.used_bytes().items():

@@ -334,9 +334,12 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _lp(x: float) -> float:
@@ -364,7 +367,8 @@ def chat_logprobs(items: list[TokenLogprobs], token_text) -> dict[str, Any]:
 
 
 def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str, Any]],
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     """`choices`: {index, text, finish_reason, logprobs}, in index order."""
     out = []
     for c in choices:
@@ -377,7 +381,7 @@ def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str,
         out.append(choice)
     return {"id": req_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": out,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chunk_body(req_id: str, model: str, chat: bool, text: str | None,
