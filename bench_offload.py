@@ -149,9 +149,13 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
     params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+
+    # --shared-prefix: one document, a different 16-token question per request
+    doc = tokens(input_len - 16) if args.shared_prefix else []
     seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
-            engine.add_request(torch.randint(0, cfg.vocab_size, (input_len,), generator=g)
-                               .tolist(), params)]
+            engine.add_request(doc + tokens(input_len - len(doc)), params)]
     t0 = time.perf_counter()
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -414,6 +418,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=None,
                     help=f"top-p (default: 1; with --sampled: {SAMPLED_DEFAULTS['top_p']})")
     ap.add_argument("--top-k", type=int, default=-1, help="top-k (default: -1, off)")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="every request of a batch shares one document (all but its last 16 "
+                         "tokens): with prefix caching its KV is computed and streamed once")
     ap.add_argument("--sampled", action="store_true",
                     help="run every configuration twice, greedy and sampled (--temperature, "
                          "--top-p, --top-k), and report the sampled / greedy ratios of TPOT "
