@@ -133,17 +133,48 @@ def test_offloaded_prefix_is_reused_from_the_host_store(six_layer_dir):
     assert llm.engine.kv.tail_rows_in_use == 0
 
 
-def test_cached_kv_is_what_attention_reads(qwen3_dir):
-    """Teeth: corrupting the cached document's KV in the pool changes the next answer."""
-    prompt = DOC + QUESTIONS[0]
+def test_corrupting_a_shared_page_changes_every_sharers_output(qwen3_dir):
+    """Teeth: the document's cached KV is what every sharer's attention reads."""
+    prompts = [DOC + q for q in QUESTIONS[:3]]
     llm = make_llm(qwen3_dir, enable_prefix_caching=True)
-    ref = llm.generate(prompt, GREEDY)[0].token_ids
+    ref = tokens(llm.generate(prompts, GREEDY))
     pages = llm.engine.kv.cache.lookup(chain_hashes(DOC, 4))
     assert len(pages) == 10
     pool = llm.engine.kv.resident
-    pool[:, :, pages] = torch.randn_like(pool[:, :, pages])
-    out = llm.generate(prompt, GREEDY)[0]
-    assert out.num_cached_tokens == 44 and out.token_ids != ref  # 11 full pages of 45 tokens
+    pool[:, :, pages[:3]] = torch.randn_like(pool[:, :, pages[:3]])
+    outs = llm.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens >= 40 for o in outs)
+    assert all(o.token_ids != r for o, r in zip(outs, ref, strict=True))
+
+
+def test_ten_thousand_mixed_requests_leak_no_page_on_either_tier(qwen3_dir):
+    """Shared documents, unique prompts, n > 1, stop tokens and lengths, with offload, a tight
+    budget (preemption and eviction): afterwards every page is free or cached-and-unused, no
+    tail row is held, and a sample of answers equals the cache-less engine's."""
+    g = torch.Generator().manual_seed(33)
+    docs = random_prompts(6, [12, 20, 28, 9, 40, 16], seed=34)
+    prompts, params = [], []
+    for i in range(10_000):
+        tail = torch.randint(0, 320, (int(torch.randint(1, 9, (1,), generator=g)),),
+                             generator=g).tolist()
+        prompts.append((docs[i % 6] if i % 5 else []) + tail)
+        params.append(SamplingParams(temperature=0.0, n=1 + (i % 7 == 0),
+                                     max_tokens=1 + i % 4, stop_token_ids=[i % 320]))
+    page_bytes = 2 * 3 * 4 * 2 * 16 * 4
+    llm = make_llm(qwen3_dir, enable_prefix_caching=True, enable_offload=True,
+                   resident_layers=1, max_num_seqs=32, host_kv_budget_gib=0.01,
+                   gpu_kv_budget_gib=80 * page_bytes / 2**30)
+    outs = llm.generate(prompts, params)
+    kv = llm.engine.kv
+    assert all(o.error is None for o in outs) and kv.tail_rows_in_use == 0
+    assert kv.num_free == kv.capacity and kv.pages.num_evictable == len(kv.cache)
+    assert all(kv.pages.refs(p) == 0 for p in range(1, kv.pages.num_pages))
+    assert llm.engine.scheduler.num_preemptions > 0 and kv.cache.hit_tokens > 10_000
+    sample = list(range(0, 10_000, 97))
+    ref = make_llm(qwen3_dir).generate([prompts[i] for i in sample],
+                                       [params[i] for i in sample])
+    assert [[c.token_ids for c in outs[i].outputs] for i in sample] == \
+        [[c.token_ids for c in r.outputs] for r in ref]
 
 
 def test_a_page_shared_by_a_decode_batch_is_loaded_once():
