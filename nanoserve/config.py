@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 import torch
+
+from nanoserve.errors import is_finite_number
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -79,12 +80,12 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
-        check(_finite(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
-              "gpu_memory_utilization must be in (0, 1]")
-        check(self.gpu_kv_budget_gib is None or _finite(self.gpu_kv_budget_gib) and
+        check(is_finite_number(self.gpu_memory_utilization) and
+              0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        check(self.gpu_kv_budget_gib is None or is_finite_number(self.gpu_kv_budget_gib) and
               self.gpu_kv_budget_gib >= 0,
               f"gpu_kv_budget_gib must be a finite number >= 0, got {self.gpu_kv_budget_gib}")
-        check(self.host_kv_budget_gib is None or _finite(self.host_kv_budget_gib) and
+        check(self.host_kv_budget_gib is None or is_finite_number(self.host_kv_budget_gib) and
               self.host_kv_budget_gib > 0,
               f"host_kv_budget_gib must be a finite number > 0, got {self.host_kv_budget_gib}")
         check(self.num_kv_buffers >= 2, "num_kv_buffers must be >= 2 (one loading, one computing)")
@@ -118,15 +119,6 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
-
-
-def _finite(x) -> bool:
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond float's range: 10**400
-        return False
 
 
 def config_default(name: str):

@@ -3,13 +3,12 @@ when built, so that nothing a request carries can reach the engine unchecked."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from nanoserve.errors import InvalidParameter
+from nanoserve.errors import InvalidParameter, is_finite_number
 
 __all__ = ["InvalidParameter", "SamplingParams"]
 
@@ -31,17 +30,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond float's range: 10**400
-        return False
-
-
 def _check_number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
-    if not _is_number(value) or value < lo or value > hi or (lo_open and value == lo):
+    if not is_finite_number(value) or value < lo or value > hi or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise InvalidParameter(name, f"{name} must be a number in {bracket}{lo}, {hi}], "
                                      f"got {_short(value)}")
