@@ -137,5 +137,6 @@ class LayerStreamer:
         with self._on_copy_stream():
             if self.cuda:
                 self.copy_stream.wait_stream(compute)
+                rows.record_stream(self.copy_stream)  # read here after its owner lets go
             for j in range(self.num_streamed):
                 self.host.store_pages(j, p.flush_pages, self.tails[j].index_select(1, rows))

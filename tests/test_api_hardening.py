@@ -203,3 +203,24 @@ def test_bad_engine_settings_are_clear_value_errors(qwen3_dir, kwargs, match):
     kwargs = {"device": "cpu", **kwargs}
     with pytest.raises(ValueError, match=match):
         LLM(str(qwen3_dir), progress=False, dtype="float32", **kwargs)
+
+
+def test_a_failure_after_the_step_fails_its_requests_and_the_engine_goes_on(llm):
+    """The stop-string check's detokenizer raising (after sampling): the step's requests end
+    with an error, nothing is left queued, and the next generate() is unaffected."""
+    sched = llm.engine.scheduler
+    real = sched.detokenize
+
+    def broken(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    sched.detokenize = broken
+    try:
+        outs = llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=4, stop=["x"]))
+    finally:
+        sched.detokenize = real
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert "UnicodeDecodeError" in outs[0].outputs[0].error
+    assert idle(llm)
+    assert llm.generate([7, 8, 9], GREEDY)[0].token_ids == \
+        make_llm(llm.engine.cfg.model).generate([7, 8, 9], GREEDY)[0].token_ids

@@ -32,9 +32,14 @@ def tokens(outs):
     return [o.token_ids for o in outs]
 
 
+def cacheless(path, **kw):
+    """The reference: the same engine with prefix caching off."""
+    return make_llm(path, enable_prefix_caching=False, **kw)
+
+
 def test_a_shared_prefix_is_reused_and_the_tokens_equal_no_cache(qwen3_dir):
     prompts = [DOC + q for q in QUESTIONS]
-    ref = tokens(make_llm(qwen3_dir).generate(prompts, GREEDY))
+    ref = tokens(cacheless(qwen3_dir).generate(prompts, GREEDY))
     llm = make_llm(qwen3_dir, enable_prefix_caching=True)
     first = llm.generate(prompts[0], GREEDY)[0]
     assert first.num_cached_tokens == 0 and first.token_ids == ref[0]
@@ -49,7 +54,7 @@ def test_at_least_the_last_prompt_token_is_computed(qwen3_dir):
     llm = make_llm(qwen3_dir, enable_prefix_caching=True)
     for n, cached in ((41, 40), (40, 36)):  # a whole-page prompt recomputes its last page
         prompt = DOC[:n] if n <= 40 else DOC + QUESTIONS[0][:1]
-        ref = make_llm(qwen3_dir).generate(prompt, GREEDY)[0].token_ids
+        ref = cacheless(qwen3_dir).generate(prompt, GREEDY)[0].token_ids
         llm.generate(prompt, GREEDY)
         again = llm.generate(prompt, GREEDY)[0]
         assert again.num_cached_tokens == cached and again.token_ids == ref
@@ -62,7 +67,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(qwen3_dir):
     cache = llm.engine.kv.cache
     prompts = [DOC + q for q in QUESTIONS]
     outs = llm.generate(prompts, GREEDY)
-    assert tokens(outs) == tokens(make_llm(qwen3_dir).generate(prompts, GREEDY))
+    assert tokens(outs) == tokens(cacheless(qwen3_dir).generate(prompts, GREEDY))
     assert [o.num_cached_tokens for o in outs] == [0, 40, 40, 40]
     hits = cache.hit_tokens
     # 50 tokens: 12 full pages, of which DOC + QUESTIONS[2] cached 11 above
@@ -85,7 +90,7 @@ def test_unused_cached_pages_are_evicted_least_recently_used_first():
     assert alloc.num_free == 4 and alloc.num_evictable == 4
     assert cache.lookup(keys[:4]) == a + b
     got = alloc.allocate(3)
-    assert got == a + b[:1]  # oldest first
+    assert got == a + b[:1]  # least recently used first
     assert cache.lookup(keys[:4]) == []  # the chain breaks at a's first page
     assert b[1] in cache and all(alloc.refs(p) == 1 for p in held)
     alloc.share([b[1]])  # reused: in use again, no longer evictable
@@ -100,7 +105,7 @@ def test_eviction_under_a_tight_budget_keeps_the_tokens_right(qwen3_dir):
     docs = random_prompts(3, [40], seed=32)
     order = [0, 0, 1, 1, 2, 2, 0, 1, 2, 2]  # reused at once, or after two other documents
     prompts = [docs[d] + QUESTIONS[i % 4] for i, d in enumerate(order)]
-    ref = tokens(make_llm(qwen3_dir).generate(prompts, GREEDY))
+    ref = tokens(cacheless(qwen3_dir).generate(prompts, GREEDY))
     page_bytes = 2 * 3 * 4 * 2 * 16 * 4
     llm = make_llm(qwen3_dir, enable_prefix_caching=True, max_num_seqs=1,
                    gpu_kv_budget_gib=21 * page_bytes / 2**30)
@@ -113,7 +118,7 @@ def test_eviction_under_a_tight_budget_keeps_the_tokens_right(qwen3_dir):
 def test_preempted_sequences_reuse_their_own_cached_pages(qwen3_dir):
     prompts = [DOC + q for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    ref = tokens(make_llm(qwen3_dir).generate(prompts, params))
+    ref = tokens(cacheless(qwen3_dir).generate(prompts, params))
     page_bytes = 2 * 3 * 4 * 2 * 16 * 4
     llm = make_llm(qwen3_dir, enable_prefix_caching=True,
                    gpu_kv_budget_gib=41 * page_bytes / 2**30)
@@ -124,7 +129,7 @@ def test_preempted_sequences_reuse_their_own_cached_pages(qwen3_dir):
 
 def test_offloaded_prefix_is_reused_from_the_host_store(six_layer_dir):
     prompts = [DOC + q for q in QUESTIONS]
-    ref = tokens(make_llm(six_layer_dir).generate(prompts, GREEDY))
+    ref = tokens(cacheless(six_layer_dir).generate(prompts, GREEDY))
     llm = make_llm(six_layer_dir, enable_prefix_caching=True, enable_offload=True,
                    resident_layers=2, host_kv_budget_gib=0.01)
     assert llm.engine.kv.plan.streamed_layers == 4
@@ -171,7 +176,7 @@ def test_ten_thousand_mixed_requests_leak_no_page_on_either_tier(qwen3_dir):
     assert all(kv.pages.refs(p) == 0 for p in range(1, kv.pages.num_pages))
     assert llm.engine.scheduler.num_preemptions > 0 and kv.cache.hit_tokens > 10_000
     sample = list(range(0, 10_000, 97))
-    ref = make_llm(qwen3_dir).generate([prompts[i] for i in sample],
+    ref = cacheless(qwen3_dir).generate([prompts[i] for i in sample],
                                        [params[i] for i in sample])
     assert [[c.token_ids for c in outs[i].outputs] for i in sample] == \
         [[c.token_ids for c in r.outputs] for r in ref]
@@ -187,3 +192,16 @@ def test_a_page_shared_by_a_decode_batch_is_loaded_once():
         s.num_tokens = len(s.token_ids)
     plan = builder.build(Batch(False, seqs, [1, 1, 1])).offload
     assert plan.load_runs == [(1, 6)]  # pages 1..5 once, not three times
+
+
+def test_eviction_takes_a_cached_prefix_from_its_end_so_the_rest_stays_reusable(qwen3_dir):
+    """20 pages: a document's request, then an unrelated one that needs some of its pages.
+    Its last pages go first, so the document's first pages are still found."""
+    page_bytes = 2 * 3 * 4 * 2 * 16 * 4
+    llm = make_llm(qwen3_dir, enable_prefix_caching=True, max_num_seqs=1,
+                   gpu_kv_budget_gib=21 * page_bytes / 2**30)
+    llm.generate(DOC + [1, 2, 3], GREEDY)
+    llm.generate(random_prompts(1, [44], seed=35)[0], GREEDY)
+    again = llm.generate(DOC + [1, 2, 3], GREEDY)[0]
+    assert 0 < again.num_cached_tokens < 40
+    assert again.token_ids == cacheless(qwen3_dir).generate(DOC + [1, 2, 3], GREEDY)[0].token_ids

@@ -127,7 +127,7 @@ class LLMEngine:
                     raise
                 finished += self._run_one_by_one(batch, e)
             else:
-                finished += self.scheduler.postprocess(batch, tokens)
+                finished += self._postprocess(batch, tokens)
         for seq in finished:
             self.sequences.pop(seq.seq_id, None)
             self.runner.release(seq.seq_id)
@@ -151,8 +151,19 @@ class LLMEngine:
                 self._fail(seq, e)
                 finished.append(seq)
             else:
-                finished += self.scheduler.postprocess(alone, tokens)
+                finished += self._postprocess(alone, tokens)
         return finished
+
+    def _postprocess(self, batch: Batch, tokens: list[int | None]) -> list[Sequence]:
+        """The step's tokens into its sequences. Should that raise (a stop-string check's
+        detokenizer, say), the step's sequences fail: their state may be half advanced."""
+        try:
+            return self.scheduler.postprocess(batch, tokens)
+        except Exception as e:
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self._fail(seq, e)
+            return list(batch.seqs)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("request %d failed in a step: %s: %s", seq.seq_id, type(error).__name__, error,

@@ -82,11 +82,11 @@ class Scheduler:
                 # (only sequences that have not started wait, so no two wait for each other)
                 if self.kv.next_page_key(seq) in claimed:
                     break
-                self.kv.count_reuse(seq)
             chunk = min(seq.num_tokens - seq.num_cached, budget,
                         self.kv.room(seq) - seq.num_cached)
             if chunk <= 0:
                 break
+            self.kv.count_reuse(seq)  # admitted: what it reused is what its request reports
             self.kv.grow(seq, seq.num_cached + chunk)
             seq.prefilling = True
             claimed |= self._pages_being_computed([seq])

@@ -129,8 +129,10 @@ class KVManager:
         return True
 
     def free(self, seq) -> None:
-        """Drops `seq`'s pages (cached ones stay reusable until evicted) and its tail row."""
-        self.pages.free(seq.pages)
+        """Drops `seq`'s pages (cached ones stay reusable until evicted) and its tail row.
+        Last page first: a cached prefix is evicted from its end, so what remains of it stays
+        reachable (a lookup stops at the first missing page)."""
+        self.pages.free(seq.pages[::-1])
         seq.pages = []
         seq.num_pages_cached = 0
         row = self._tail_rows.pop(seq.seq_id, None)
