@@ -220,6 +220,35 @@ def test_needle_fails_when_the_streamed_needle_kv_is_zeroed(offload_llm):
     assert all(r.passed for r in intact), format_table(intact)
 
 
+def shared_haystack_prompts(llm: LLM, input_len: int, secrets: list[str]) -> list:
+    """One haystack, a different secret per request: the needle sits at the end (depth 1), so
+    every request shares all of the haystack before it."""
+    builder = NeedleBuilder(llm.tokenizer)
+    return [builder.build(input_len, 1.0, random.Random(7), secret) for secret in secrets]
+
+
+def check_shared_haystack(llm: LLM, ref: LLM, input_len: int) -> None:
+    secrets = ["314159", "271828", "161803", "141421"]
+    prompts = shared_haystack_prompts(llm, input_len, secrets)
+    assert len({tuple(p.token_ids[:p.needle_start]) for p in prompts}) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    first = llm.generate(prompts[0].token_ids, params)[0]
+    rest = llm.generate([p.token_ids for p in prompts[1:]], params)
+    outs = [first, *rest]
+    page = llm.engine.kv.spec.page_size
+    assert all(o.num_cached_tokens >= prompts[0].needle_start // page * page - page
+               for o in rest)
+    assert [s in o.text for s, o in zip(secrets, outs, strict=True)] == [True] * 4
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(
+        [p.token_ids for p in prompts], params)]
+
+
+def test_shared_haystack_requests_each_find_their_own_secret():
+    """Prefix caching: requests sharing a haystack reuse its KV, each still answers with its
+    own secret, and the tokens equal caching off."""
+    check_shared_haystack(cpu_llm(), cpu_llm(enable_prefix_caching=False), CPU_LEN)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int) -> list[int]:
     ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
@@ -248,6 +277,13 @@ def test_needle_32k_gpu(mode):
     results = run_needle(llm, 32768, ALL_DEPTHS, seed=4)
     print(format_table(results))
     assert all(r.passed for r in results), format_table(results)
+
+
+@pytest.mark.gpu
+def test_shared_haystack_32k_gpu():
+    common = dict(progress=False, max_model_len=32768 + 32, max_num_seqs=4,
+                  enable_offload=True, resident_layers=2)
+    check_shared_haystack(LLM(**common), LLM(enable_prefix_caching=False, **common), 32768)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_hf_model, random_prompts
-from helpers import make_llm
+from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import SamplingParams
 from nanoserve.engine.scheduler import Batch
@@ -205,3 +205,18 @@ def test_eviction_takes_a_cached_prefix_from_its_end_so_the_rest_stays_reusable(
     again = llm.generate(DOC + [1, 2, 3], GREEDY)[0]
     assert 0 < again.num_cached_tokens < 40
     assert again.token_ids == cacheless(qwen3_dir).generate(DOC + [1, 2, 3], GREEDY)[0].token_ids
+
+
+def test_corrupting_a_shared_page_in_the_host_store_changes_every_sharer(six_layer_dir):
+    """Teeth with offload: streamed layers' shared pages are read back from the host store."""
+    prompts = [DOC + q for q in QUESTIONS[:3]]
+    ref = tokens(cacheless(six_layer_dir).generate(prompts, GREEDY))
+    llm = make_llm(six_layer_dir, enable_prefix_caching=True, enable_offload=True,
+                   resident_layers=2, host_kv_budget_gib=0.01)
+    assert llm.generate(prompts[0], GREEDY)[0].token_ids == ref[0]
+    pages = llm.engine.kv.cache.lookup(chain_hashes(DOC, 4))
+    for layer in range(4):
+        corrupt_host_kv(llm.engine, layer, pages[:3])
+    outs = llm.generate(prompts[1:], GREEDY)
+    assert all(o.num_cached_tokens >= 40 for o in outs)
+    assert all(o.token_ids != r for o, r in zip(outs, ref[1:], strict=True))
