@@ -177,24 +177,24 @@ class AsyncEngine:
         self._abort_all(SHUTDOWN_MESSAGE)
         self._fail_inbox()
 
-    def _fail_inbox(self) -> None:
-        """After the loop: requests still queued are refused (their submit raises)."""
+    def _queued(self):
+        """The commands queued so far, taken one by one."""
         while True:
             try:
-                cmd = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _fail_inbox(self) -> None:
+        """After the loop: requests still queued are refused (their submit raises)."""
+        for cmd in self._queued():
             if cmd[0] == "add":
                 stream, admitted = cmd[3], cmd[4]
                 stream.loop.call_soon_threadsafe(
                     _set_exception, admitted, RuntimeError(self.error or "engine stopped"))
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued():
             if cmd[0] == "add":
                 self._add(*cmd[1:])
             elif cmd[0] == "abort":
