@@ -1,0 +1,138 @@
+"""Where a step's GPU time goes: attention, GEMMs, copies and the rest, from a torch-profiler
+trace of the engine's own steps (dummy weights, the shipped Qwen3-8B config by default).
+
+    python tools/profile_step.py --prefill 32768 --decode 1x32768,64x512
+
+Prefill: the whole prompt's steps (every chunk). Decode: 10 steps after warm-up, as the engine
+runs them (graphs unless --enforce-eager). Times are kernel times summed per category and
+divided by the number of steps; "wall" is the host's time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanoserve import LLM, SamplingParams
+
+CATEGORIES = (  # first match wins; names are lower-cased kernel names
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "_decode_split", "_merge_split",
+                   "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_split(prof) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    ms, count, by_name = defaultdict(float), defaultdict(int), defaultdict(float)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time / 1e3
+        cat = category(e.name)
+        ms[cat] += t
+        count[cat] += 1
+        by_name[f"{cat:<9} {e.name[:90]}"] += t
+    return ms, count, by_name
+
+
+def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
+    ms, count, by_name = kernel_split(prof)
+    total = sum(ms.values())
+    print(f"\n## {title}: {steps} step(s), wall {wall_ms / steps:.2f} ms/step, "
+          f"kernels {total / steps:.2f} ms/step")
+    print(f"| {'category':<10} | {'ms/step':>9} | {'share':>6} | {'kernels/step':>12} |")
+    print(f"| {'-' * 10} | {'-' * 9} | {'-' * 6} | {'-' * 12} |")
+    for cat in ("attention", "gemm", "copy", "other"):
+        print(f"| {cat:<10} | {ms[cat] / steps:>9.3f} | {ms[cat] / max(total, 1e-9):>6.1%} | "
+              f"{count[cat] / steps:>12.0f} |")
+    for name, t in sorted(by_name.items(), key=lambda x: -x[1])[:top]:
+        print(f"    {t / steps:8.3f} ms  {name}")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profiled_steps(engine, steps: int | None):
+    """Runs `steps` engine steps (None: until every sequence has its first token) under the
+    profiler; returns (profile, steps run, wall ms)."""
+    sync()
+    n, t0 = 0, time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while (engine.has_unfinished() and
+               (n < steps if steps is not None else
+                any(s.num_output_tokens == 0 for s in engine.scheduler.running +
+                    list(engine.scheduler.waiting)))):
+            engine.step()
+            n += 1
+        sync()
+    return prof, n, (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="Qwen3-8B")
+    ap.add_argument("--prefill", type=int, default=32768, help="prompt tokens (0: skip)")
+    ap.add_argument("--decode", default="1x32768,64x512",
+                    help="BATCHxCONTEXT,... decode workloads ('' to skip)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--top", type=int, default=12, help="heaviest kernels to list")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step.py profiles GPU kernels: it needs a CUDA device")
+    g = torch.Generator().manual_seed(0)
+
+
+    work = []
+    if args.prefill:
+        work.append(("prefill", 1, args.prefill))
+    for w in filter(None, args.decode.split(",")):
+        b, n = (int(x) for x in w.split("x"))
+        work.append(("decode", b, n))
+    for kind, batch, ctx in work:
+        llm = LLM(args.model, progress=False, dummy_weights=True, max_model_len=ctx + 64,
+                  max_num_seqs=batch, enforce_eager=args.enforce_eager)
+        engine = llm.engine
+        vocab = engine.runner.model.config.vocab_size
+
+        def prompt(n: int, vocab: int = vocab) -> list[int]:
+            return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+        if kind == "prefill":  # a short prompt first: warm-up of every kernel on this path
+            engine.add_request(prompt(min(1024, ctx)), SamplingParams(max_tokens=1))
+            while engine.has_unfinished():
+                engine.step()
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(prompt(ctx), params)
+        if kind == "prefill":
+            prof, n, wall = profiled_steps(engine, None)
+            report(f"prefill, {ctx} tokens", prof, 1, wall, args.top)
+            print(f"    ({n} chunk steps)")
+        else:
+            profiled_steps(engine, None)  # prefill, unprofiled
+            for _ in range(5):
+                engine.step()
+            prof, n, wall = profiled_steps(engine, 10)
+            report(f"decode, batch {batch}, context {ctx}", prof, n, wall, args.top)
+        del llm, engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
