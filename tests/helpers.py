@@ -22,18 +22,26 @@ def make_llm(path, **kw) -> LLM:
 
 
 @torch.inference_mode()
-def engine_prefill_logits(llm, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, prefilled in a single step (every layer
-    resident): the engine's KV pages, step inputs and attention backend, all rows' logits."""
+def engine_prefill_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits of every position of one prompt, prefilled in steps of `chunk` tokens (default:
+    one step), every layer resident: the engine's KV pages, step inputs and attention backend,
+    every row's logits."""
     engine, runner = llm.engine, llm.engine.runner
     seq = Sequence(token_ids, SamplingParams(max_tokens=1))
     assert engine.kv.grow(seq, len(token_ids))
+    chunk = chunk or len(token_ids)
+    out = []
     try:
-        inputs = runner.inputs.build(Batch(True, [seq], [len(token_ids)]))
-        ctx = inputs.context()
-        runner.backend.prepare(ctx)
-        with forward_context(ctx):
-            return runner.model.head(runner.model(inputs.input_ids, inputs.positions)).cpu()
+        for start in range(0, len(token_ids), chunk):
+            seq.num_cached = start
+            n = min(chunk, len(token_ids) - start)
+            inputs = runner.inputs.build(Batch(True, [seq], [n]))
+            ctx = inputs.context()
+            runner.backend.prepare(ctx)
+            with forward_context(ctx):
+                out.append(runner.model.head(runner.model(inputs.input_ids,
+                                                          inputs.positions)).cpu())
+        return torch.cat(out)
     finally:
         engine.kv.free(seq)
 

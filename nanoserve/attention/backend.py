@@ -5,8 +5,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from nanoserve.context import ForwardContext, get_context
 
@@ -57,39 +55,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     h, d = k_cache.shape[-2:]
     k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
-
-
-def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's first `length` tokens from the paged cache, as [length, kv_heads, d]."""
-    n = (length + cache.shape[1] - 1) // cache.shape[1]
-    return cache.index_select(0, pages[:n]).flatten(0, 1)[:length]
-
-
-def sdpa_prefill(q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
-    """Prefill through torch SDPA, one sequence at a time (prefill is compute-bound: the loop
-    costs nothing). A chunk with a cached prefix attends to prefix + itself, causal from the
-    bottom-right corner."""
-    out = torch.empty_like(q)
-    start = 0
-    for i, (qlen, plen) in enumerate(zip(ctx.query_lens, ctx.prefix_lens, strict=True)):
-        qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)
-        if plen == 0:
-            ki = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
-            vi = v[start:start + qlen].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale,
-                                               enable_gqa=True)
-        else:
-            pages = ctx.page_tables[i]
-            rep = layer.num_heads // layer.num_kv_heads
-            ki = gather_kv(layer.k_cache, pages, plen + qlen).transpose(0, 1)
-            vi = gather_kv(layer.v_cache, pages, plen + qlen).transpose(0, 1)
-            ki = ki.repeat_interleave(rep, dim=0).unsqueeze(0)
-            vi = vi.repeat_interleave(rep, dim=0).unsqueeze(0)
-            mask = causal_lower_right(qlen, plen + qlen)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scale)
-        out[start:start + qlen] = o.squeeze(0).transpose(0, 1)
-        start += qlen
-    return out
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

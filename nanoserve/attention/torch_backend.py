@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention.backend import AttentionBackend, gather_kv, sdpa_prefill
+from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.prefill import gather_kv, paged_prefill
 from nanoserve.context import ForwardContext
 
 
@@ -13,7 +14,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
-        return sdpa_prefill(q, k, v, layer, ctx)
+        return paged_prefill(q, k, v, layer, ctx)
 
     def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,0 +1,44 @@
+"""Small pure tensor functions that inductor fuses into one kernel each on CUDA.
+
+`@fused` marks such a function: on CUDA tensors it runs through `torch.compile` (dynamic shapes,
+so one compilation serves every token count, batch size 1 aside), elsewhere eagerly. The eager
+function stays reachable as `.eager`: it is the reference the GPU tests hold the fused kernels
+to, and what the CPU engine runs. `set_enabled(False)` (the engine's `enable_fusion=False`)
+turns fusion off everywhere.
+
+The first call at a new shape class compiles (seconds); decode graphs are captured only after
+a warm-up run at each size, so compilation never happens inside a capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+def fused(fn: F) -> F:
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if not (_enabled and args[0].is_cuda):
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(*args)
+
+    call.eager = fn
+    return call  # type: ignore[return-value]

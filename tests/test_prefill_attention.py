@@ -1,0 +1,197 @@
+"""Prefill attention (nanoserve/attention/prefill.py) against a float64 reference: a chunk over
+its cached prefix and itself, split in two and merged by log-sum-exp; paged, several sequences
+per step; the FA2 varlen path; chunked prefill against unchunked in the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GPU_SHAPE, make_hf_model, random_prompts
+from helpers import engine_prefill_logits, make_llm
+
+from nanoserve.attention.prefill import (
+    chunk_attention,
+    merge_partials,
+    paged_prefill,
+    use_varlen,
+    varlen_prefill,
+)
+from nanoserve.context import ForwardContext
+
+gpu = pytest.mark.gpu
+
+
+def reference(q, k, v, prefix_len, scale):
+    """float64: T queries over prefix_len + T keys, causal from the bottom-right corner."""
+    t = q.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), k) * scale
+    visible = torch.ones(t, prefix_len + t, dtype=torch.bool, device=q.device).tril(prefix_len)
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), v)
+
+
+def random_qkv(t, p, heads, kv_heads, d, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(t, heads, d, dtype=dtype, device=device, generator=g)
+    k = torch.randn(p + t, kv_heads, d, dtype=dtype, device=device, generator=g)
+    v = torch.randn(p + t, kv_heads, d, dtype=dtype, device=device, generator=g)
+    return q, k, v
+
+
+CASES = [(t, p, h, hkv) for t, p in ((1, 0), (5, 0), (64, 0), (1, 1), (5, 7), (64, 100),
+                                      (33, 3))
+         for h, hkv in ((8, 8), (8, 2), (8, 1))]
+
+
+@pytest.mark.parametrize("t,p,heads,kv_heads", CASES)
+def test_chunk_attention_cpu_matches_float64(t, p, heads, kv_heads):
+    q, k, v = random_qkv(t, p, heads, kv_heads, 16, torch.float32, "cpu", t * 100 + p)
+    out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], 0.25)
+    err = (out.double() - reference(q, k, v, p, 0.25)).abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_merge_of_two_halves_is_order_free_and_exact():
+    """Merging attention over keys [0, a) and [a, n) gives attention over [0, n), for every
+    split point, in either order."""
+    from nanoserve.attention.prefill import attention_with_lse
+
+    q, k, v = random_qkv(6, 20, 4, 2, 8, torch.float64, "cpu", 3)
+    q = q.float()
+    k, v = k.float(), v.float()
+    whole, _ = attention_with_lse(q, k, v, False, 0.3)
+    for a in (1, 7, 19, 25):
+        o1, l1 = attention_with_lse(q, k[:a], v[:a], False, 0.3)
+        o2, l2 = attention_with_lse(q, k[a:], v[a:], False, 0.3)
+        assert (merge_partials(o1, l1, o2, l2) - whole).abs().max() < 1e-6
+        assert (merge_partials(o2, l2, o1, l1) - whole).abs().max() < 1e-6
+
+
+class _Layer:
+    def __init__(self, k_cache, v_cache, scale):
+        self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+
+
+def paged_case(query_lens, prefix_lens, heads, kv_heads, d, page_size, dtype, device, seed):
+    """Sequences whose prefix + chunk KV sit in scattered pages; returns the step's q, k, v,
+    the layer, its context and each sequence's full (q, k, v) for the reference."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    need = [-(-(p + t) // page_size) for t, p in zip(query_lens, prefix_lens, strict=True)]
+    num_pages = sum(need) + 1
+    k_cache = torch.zeros(num_pages, page_size, kv_heads, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    perm = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1)
+    table = torch.zeros(len(need), max(need), dtype=torch.int32)
+    qs, ks, vs, full, slots, start = [], [], [], [], [], 0
+    for i, (t, p) in enumerate(zip(query_lens, prefix_lens, strict=True)):
+        pages = perm[start:start + need[i]]
+        start += need[i]
+        table[i, :len(pages)] = pages.int()
+        q = torch.randn(t, heads, d, dtype=dtype, device=device, generator=g)
+        k = torch.randn(p + t, kv_heads, d, dtype=dtype, device=device, generator=g)
+        v = torch.randn(p + t, kv_heads, d, dtype=dtype, device=device, generator=g)
+        flat = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:p + t]
+        k_cache.view(-1, kv_heads, d)[flat.to(device)] = k
+        v_cache.view(-1, kv_heads, d)[flat.to(device)] = v
+        qs.append(q)
+        ks.append(k[p:])
+        vs.append(v[p:])
+        full.append((q, k, v, p))
+        slots.append(flat[p:])
+    ctx = ForwardContext(True, torch.cat(slots).to(device), table.to(device),
+                         query_lens=list(query_lens), prefix_lens=list(prefix_lens))
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), _Layer(k_cache, v_cache, d**-0.5), ctx, \
+        full
+
+
+def test_paged_prefill_cpu_several_sequences_unaligned_prefixes():
+    q, k, v, layer, ctx, full = paged_case([5, 1, 9, 4], [0, 13, 6, 30], 8, 2, 16, 4,
+                                           torch.float32, "cpu", 0)
+    out = paged_prefill(q, k, v, layer, ctx)
+    ref = torch.cat([reference(*f[:3], f[3], layer.scale) for f in full])
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_varlen_only_for_many_short_fresh_prompts():
+    def ctx(qs, ps):
+        return ForwardContext(True, torch.zeros(0), torch.zeros(0), query_lens=qs,
+                              prefix_lens=ps)
+    assert use_varlen(ctx([512] * 16, [0] * 16))
+    assert not use_varlen(ctx([512], [0]))  # one prompt: cuDNN
+    assert not use_varlen(ctx([512, 4096], [0, 0]))  # a long one: cuDNN per prompt
+    assert not use_varlen(ctx([512, 512], [0, 256]))  # a prefix: the split path
+
+
+# --- GPU: the cuDNN and FA2 kernels ---------------------------------------------------------
+BF16_BOUND = 1e-2  # max abs error, unit-variance inputs: about one bf16 step at 1.0 (7.8e-3)
+
+
+@gpu
+@pytest.mark.parametrize("t,p", [(1, 0), (257, 0), (300, 700), (1000, 1), (64, 4096),
+                                 (2048, 2048)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (8, 2, 32), (16, 16, 64)])
+def test_chunk_attention_cuda_bf16_matches_float64(t, p, heads, kv_heads, d):
+    q, k, v = random_qkv(t, p, heads, kv_heads, d, torch.bfloat16, "cuda", t + p)
+    out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], d**-0.5)
+    err = (out.double() - reference(q, k, v, p, d**-0.5)).abs().max().item()
+    assert err < BF16_BOUND, err
+
+
+@gpu
+def test_paged_prefill_cuda_bf16_several_sequences():
+    q, k, v, layer, ctx, full = paged_case([300, 1, 77, 512], [0, 555, 256, 1000], 32, 8, 128,
+                                           256, torch.bfloat16, "cuda", 1)
+    out = paged_prefill(q, k, v, layer, ctx)
+    ref = torch.cat([reference(*f[:3], f[3], layer.scale) for f in full])
+    assert (out.double() - ref).abs().max() < BF16_BOUND
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[512] * 16, [1, 7, 1024, 300]])
+def test_varlen_prefill_matches_float64(lens):
+    q, k, v = (torch.cat(x) for x in zip(*(random_qkv(n, 0, 32, 8, 128, torch.bfloat16,
+                                                       "cuda", i)
+                                            for i, n in enumerate(lens)), strict=True))
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).int().cuda()
+    out = varlen_prefill(q, k, v, cu, max(lens), 128**-0.5)
+    for i, n in enumerate(lens):
+        s, e = cu[i].item(), cu[i + 1].item()
+        err = (out[s:e].double() - reference(q[s:e], k[s:e], v[s:e], 0, 128**-0.5)).abs().max()
+        assert err < BF16_BOUND, (n, err.item())
+
+
+@gpu
+def test_fused_merge_equals_eager_merge():
+    q, k, v = random_qkv(4096, 3000, 32, 8, 128, torch.bfloat16, "cuda", 5)
+    from nanoserve.attention.prefill import attention_with_lse
+
+    o1, l1 = attention_with_lse(q, k[:3000], v[:3000], False, 0.1)
+    o2, l2 = attention_with_lse(q, k[3000:], v[3000:], True, 0.1)
+    fused, eager = merge_partials(o1, l1, o2, l2), merge_partials.eager(o1, l1, o2, l2)
+    # the same float32 math; rounding to bf16 may differ by one step where exp differs by ulps
+    assert ((fused.float() - eager.float()).abs() <= 2 * eager.float().abs() * 2**-8 + 1e-6).all()
+
+
+@gpu
+@pytest.mark.parametrize("chunk", [64, 100, 333, 1000])
+def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk):
+    """bf16, 16-token pages: each chunk boundary falls inside a page for 100 and 333."""
+    make_hf_model("qwen3", tmp_path, **GPU_SHAPE)
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16", page_size=16, enforce_eager=True)
+    ids = random_prompts(1, [1500], vocab=2048, seed=chunk)[0]
+    whole = engine_prefill_logits(llm, ids).float()
+    chunked = engine_prefill_logits(llm, ids, chunk=chunk).float()
+    rel = ((chunked - whole).norm() / whole.norm()).item()
+    assert rel < 1e-2, rel
+    assert (chunked.argmax(-1) == whole.argmax(-1)).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("chunk", [7, 13, 64])
+def test_chunked_prefill_equals_unchunked_cpu(tmp_path, chunk):
+    make_hf_model("qwen3", tmp_path)
+    llm = make_llm(tmp_path)  # float32, 4-token pages: chunk ends inside pages for 7 and 13
+    ids = random_prompts(1, [150], seed=chunk)[0]
+    diff = (engine_prefill_logits(llm, ids, chunk=chunk) - engine_prefill_logits(llm, ids))
+    assert diff.abs().max() < 1e-4
