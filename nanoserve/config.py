@@ -46,6 +46,9 @@ class EngineConfig:
         None, "GiB of device memory for the KV cache (emulates a smaller GPU). Default: what "
         "the gpu memory utilization leaves after a warm-up.", min=0, name="gpu-kv-budget")
     enforce_eager: bool = _field(False, "Turn CUDA graphs off.")
+    enable_fusion: bool = _field(True, "On CUDA, fuse the elementwise work between the GEMMs "
+                                 "(norms, RoPE, SiLU, residual adds) into one kernel each with "
+                                 "torch.compile; compiled once per process at start.")
     max_graph_batch_size: int = _field(64, "Largest decode batch captured as a CUDA graph "
                                        "(larger batches run eagerly).", min=1)
     attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "

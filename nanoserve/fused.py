@@ -1,10 +1,12 @@
 """Small pure tensor functions that inductor fuses into one kernel each on CUDA.
 
-`@fused` marks such a function: on CUDA tensors it runs through `torch.compile` (dynamic shapes,
-so one compilation serves every token count, batch size 1 aside), elsewhere eagerly. The eager
+`@fused` marks such a function: on CUDA tensors it runs through `torch.compile`, elsewhere
+eagerly. Shapes are dynamic where they change (dynamo's automatic dynamic: after a second token
+count, one compilation serves them all, 1 aside); feature sizes stay static. Intermediate bf16
+roundings are emulated, so a fused kernel rounds where the eager function does. The eager
 function stays reachable as `.eager`: it is the reference the GPU tests hold the fused kernels
 to, and what the CPU engine runs. `set_enabled(False)` (the engine's `enable_fusion=False`)
-turns fusion off everywhere.
+turns fusion off in this process.
 
 The first call at a new shape class compiles (seconds); decode graphs are captured only after
 a warm-up run at each size, so compilation never happens inside a capture.
@@ -37,7 +39,8 @@ def fused(fn: F) -> F:
         if not (_enabled and args[0].is_cuda):
             return fn(*args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled = torch.compile(fn, fullgraph=True,
+                                     options={"emulate_precision_casts": True})
         return compiled(*args)
 
     call.eager = fn

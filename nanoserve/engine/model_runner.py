@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve import fused
 from nanoserve.attention.backend import select_backend
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
@@ -30,6 +31,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = max_model_len
+        fused.set_enabled(cfg.enable_fusion)
         self.backend = select_backend(cfg.attention_backend, self.device)
         self.backend.configure(self.mcfg.num_kv_heads, max_model_len)
         for attn in model.attention_layers:

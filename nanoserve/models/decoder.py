@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+from nanoserve.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    qk_norm_rope,
+    silu_and_mul,
+)
 
 
 class Attention(nn.Module):
@@ -47,8 +53,10 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(-1, self.attn.num_heads, d), k.view(-1, self.attn.num_kv_heads, d), \
             v.view(-1, self.attn.num_kv_heads, d)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary[0].cos_sin, positions)
+        else:
+            q, k = self.rotary[0](positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -73,8 +81,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.mlp(h)
 
 
 class DecoderBody(nn.Module):

@@ -1,4 +1,7 @@
-"""Building blocks shared by every decoder: RMSNorm, rotary embedding, fused projections."""
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, fused projections, and
+the elementwise work between the GEMMs as `@fused` functions (one inductor kernel each on CUDA;
+see nanoserve/fused.py). Their math follows transformers': statistics and rotation in fp32,
+results rounded to the activation dtype where transformers rounds them."""
 
 from __future__ import annotations
 
@@ -8,6 +11,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.fused import fused
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # statistics in fp32, weight applied in the input dtype: as transformers does
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream plus a sublayer's output, and its norm: (x + delta, norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm.eager(x, weight, eps)
+
+
+@fused
+def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation of q [tokens, heads, d] and k by the table rows of `positions`."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@fused
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, cos_sin: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k, then the rotation."""
+    q, k = rms_norm.eager(q, q_weight, eps), rms_norm.eager(k, k_weight, eps)
+    return rope.eager(q, k, cos_sin, positions)
+
+
+@fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -16,10 +60,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in fp32, weight applied in the input dtype: as transformers does
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)) in one pass."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -70,15 +116,10 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rope(q, k, self.cos_sin, positions)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
