@@ -47,8 +47,11 @@ def test_fused_functions_match_eager(n):
         for got, want in zip(_outputs(fn(*args)), _outputs(fn.eager(*args)), strict=True):
             assert got.dtype == want.dtype and got.shape == want.shape
             diff = (got.float() - want.float()).abs()
-            # one bf16 rounding step (2^-8 relative) where the fp32 math differs by ulps
-            assert (diff <= want.float().abs() * 2**-7 + 1e-6).all(), (fn.__name__, n)
+            # Where the fp32 math differs by ulps (rsqrt, exp), each of the two bf16 roundings
+            # (the normed value, then its product with the weight) may land one step (at most
+            # 2^-7 relative) apart: at most two steps, and rarely.
+            worst = (diff / (want.float().abs() + 1e-6)).max().item()
+            assert (diff <= want.float().abs() * 2**-6 + 1e-6).all(), (fn.__name__, n, worst)
             assert (diff > 0).float().mean() < 0.01, (fn.__name__, n)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|sweep|sampling]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|sweep|sampling]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -30,6 +30,14 @@ for w in $what; do
       run $G --enable-offload --resident-layers 0 2>&1 | grep -v "it/s\]" | tail -4 | tee "$OUT/gen_offload_all.log" ;;
     bench) run $B --input-len 4096,16384,32768,131072 --bench-all --compare-hf --out "$OUT" 2>&1 \
              | grep -v "it/s\]" | tail -45 ;;
+    prefill)  # issue 16: TTFT vs the FLOP floor and transformers; batch 64 x 512 prefill rate
+      run $B --input-len 4096,16384,32768,131072 --output-len 8 --resident-graph --compare-hf \
+        --out "$OUT/prefill" 2>&1 | grep -v "it/s\]" | tail -16
+      run $B --input-len 512 --batch-size 64 --output-len 32 --resident-graph \
+        --out "$OUT/prefill64" 2>&1 | grep -v "it/s\]" | tail -6 ;;
+    profile)  # a step's kernel time by category (docs/perf-notes.md)
+      run python3 tools/profile_step.py --prefill 32768 --decode 1x32768,64x512 --top 8 2>&1 \
+        | grep -v "it/s\]\|arn" | tee "$OUT/profile.log" ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice

@@ -22,6 +22,7 @@ from nanoserve import LLM, SamplingParams
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "_decode_split", "_merge_split",
                    "attn")),
+    ("fused", ("triton_",)),  # inductor's kernels (nanoserve/fused.py)
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
 )
@@ -55,7 +56,7 @@ def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
           f"kernels {total / steps:.2f} ms/step")
     print(f"| {'category':<10} | {'ms/step':>9} | {'share':>6} | {'kernels/step':>12} |")
     print(f"| {'-' * 10} | {'-' * 9} | {'-' * 6} | {'-' * 12} |")
-    for cat in ("attention", "gemm", "copy", "other"):
+    for cat in ("attention", "gemm", "fused", "copy", "other"):
         print(f"| {cat:<10} | {ms[cat] / steps:>9.3f} | {ms[cat] / max(total, 1e-9):>6.1%} | "
               f"{count[cat] / steps:>12.0f} |")
     for name, t in sorted(by_name.items(), key=lambda x: -x[1])[:top]:

@@ -93,22 +93,25 @@ class StepInputBuilder:
         ps = self.page_size
         ids, pos, slots, rows, samples = [], [], [], [], []
         load, store, init_pages, init_rows = [], [], [], []
+        num_tokens = 0
         for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start, end = s.num_cached, s.num_cached + n
-            ids += s.token_ids[start:end]
-            pos += range(start, end)
-            slots += [self._slot(s.pages, p) for p in range(start, end)]
+            p = np.arange(start, end, dtype=np.int64)
+            ids.append(np.asarray(s.token_ids[start:end], dtype=np.int64))
+            pos.append(p)
+            slots.append(np.asarray(s.pages, dtype=np.int64)[p // ps] * ps + p % ps)
+            num_tokens += n
             samples.append(end == s.num_tokens)
             if samples[-1]:
-                rows.append(len(ids) - 1)
+                rows.append(num_tokens - 1)
             if self.tail_row is not None:
                 load += s.pages[:-(-start // ps)]
                 store += s.pages[start // ps:-(-end // ps)]
                 if samples[-1] and end % ps:  # it decodes next: its last page becomes a tail
                     init_pages.append(s.pages[end // ps])
                     init_rows.append(self.tail_row(s))
-        arrays = {"ids": np.array(ids, np.int64), "pos": np.array(pos, np.int64),
-                  "slots": np.array(slots, np.int64), "rows": np.array(rows, np.int64),
+        arrays = {"ids": np.concatenate(ids), "pos": np.concatenate(pos),
+                  "slots": np.concatenate(slots), "rows": np.array(rows, np.int64),
                   "table": self._page_table([s.pages for s in batch.seqs], len(batch.seqs)),
                   "init_pages": np.array(init_pages, np.int64),
                   "init_rows": np.array(init_rows, np.int64)}
