@@ -1,8 +1,8 @@
 """Small pure tensor functions that inductor fuses into one kernel each on CUDA.
 
 `@fused` marks such a function: on CUDA tensors it runs through `torch.compile`, elsewhere
-eagerly. Shapes are dynamic where they change (dynamo's automatic dynamic: after a second token
-count, one compilation serves them all, 1 aside); feature sizes stay static. Intermediate bf16
+eagerly. The token dimension is marked dynamic, so one compilation serves every token count
+(1 aside); feature sizes stay static. Intermediate bf16
 roundings are emulated, so a fused kernel rounds where the eager function does. The eager
 function stays reachable as `.eager`: it is the reference the GPU tests hold the fused kernels
 to, and what the CPU engine runs. `set_enabled(False)` (the engine's `enable_fusion=False`)
@@ -23,6 +23,7 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 _enabled = True
+RECOMPILE_LIMIT = 64
 
 
 def set_enabled(enabled: bool) -> None:
@@ -39,8 +40,17 @@ def fused(fn: F) -> F:
         if not (_enabled and args[0].is_cuda):
             return fn(*args)
         if compiled is None:
+            # each model shape and dtype in a process compiles its own graphs (two: token
+            # count 1, and any other); the default limit of 8 would fall back to eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       RECOMPILE_LIMIT)
             compiled = torch.compile(fn, fullgraph=True,
                                      options={"emulate_precision_casts": True})
+        n = args[0].shape[0]
+        if n > 1:  # the token dimension is dynamic from the first call on
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n:
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
         return compiled(*args)
 
     call.eager = fn
