@@ -65,6 +65,7 @@ def test_merge_of_two_halves_is_order_free_and_exact():
     for a in (1, 7, 19, 25):
         o1, l1 = attention_with_lse(q, k[:a], v[:a], False, 0.3)
         o2, l2 = attention_with_lse(q, k[a:], v[a:], False, 0.3)
+        l1, l2 = l1.t(), l2.t()
         assert (merge_partials(o1, l1, o2, l2) - whole).abs().max() < 1e-6
         assert (merge_partials(o2, l2, o1, l1) - whole).abs().max() < 1e-6
 
@@ -125,7 +126,18 @@ def test_varlen_only_for_many_short_fresh_prompts():
 
 
 # --- GPU: the cuDNN and FA2 kernels ---------------------------------------------------------
-BF16_BOUND = 1e-2  # max abs error, unit-variance inputs: about one bf16 step at 1.0 (7.8e-3)
+def sdpa_error(q, k, v, p, scale):
+    """Max error of torch's own one-kernel bf16 attention (bottom-right causal mask, expanded
+    heads) against float64: the bound's unit. Our kernels may be at most twice as far off."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, rep = q.shape[0], q.shape[1] // k.shape[1]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.repeat_interleave(rep, 1).transpose(0, 1)[None],
+        v.repeat_interleave(rep, 1).transpose(0, 1)[None],
+        attn_mask=causal_lower_right(t, p + t), scale=scale)[0].transpose(0, 1)
+    return (o.double() - reference(q, k, v, p, scale)).abs().max().item()
+
 
 
 @gpu
@@ -136,7 +148,7 @@ def test_chunk_attention_cuda_bf16_matches_float64(t, p, heads, kv_heads, d):
     q, k, v = random_qkv(t, p, heads, kv_heads, d, torch.bfloat16, "cuda", t + p)
     out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], d**-0.5)
     err = (out.double() - reference(q, k, v, p, d**-0.5)).abs().max().item()
-    assert err < BF16_BOUND, err
+    assert err <= 2 * sdpa_error(q, k, v, p, d**-0.5) + 1e-3, err
 
 
 @gpu
@@ -144,8 +156,11 @@ def test_paged_prefill_cuda_bf16_several_sequences():
     q, k, v, layer, ctx, full = paged_case([300, 1, 77, 512], [0, 555, 256, 1000], 32, 8, 128,
                                            256, torch.bfloat16, "cuda", 1)
     out = paged_prefill(q, k, v, layer, ctx)
-    ref = torch.cat([reference(*f[:3], f[3], layer.scale) for f in full])
-    assert (out.double() - ref).abs().max() < BF16_BOUND
+    start = 0
+    for fq, fk, fv, p in full:
+        err = (out[start:start + len(fq)].double() - reference(fq, fk, fv, p, layer.scale))
+        assert err.abs().max().item() <= 2 * sdpa_error(fq, fk, fv, p, layer.scale) + 1e-3
+        start += len(fq)
 
 
 @gpu
@@ -159,7 +174,7 @@ def test_varlen_prefill_matches_float64(lens):
     for i, n in enumerate(lens):
         s, e = cu[i].item(), cu[i + 1].item()
         err = (out[s:e].double() - reference(q[s:e], k[s:e], v[s:e], 0, 128**-0.5)).abs().max()
-        assert err < BF16_BOUND, (n, err.item())
+        assert err <= 2 * sdpa_error(q[s:e], k[s:e], v[s:e], 0, 128**-0.5) + 1e-3, n
 
 
 @gpu
@@ -169,6 +184,7 @@ def test_fused_merge_equals_eager_merge():
 
     o1, l1 = attention_with_lse(q, k[:3000], v[:3000], False, 0.1)
     o2, l2 = attention_with_lse(q, k[3000:], v[3000:], True, 0.1)
+    l1, l2 = l1.t(), l2.t()
     fused, eager = merge_partials(o1, l1, o2, l2), merge_partials.eager(o1, l1, o2, l2)
     # the same float32 math; rounding to bf16 may differ by one step where exp differs by ulps
     assert ((fused.float() - eager.float()).abs() <= 2 * eager.float().abs() * 2**-8 + 1e-6).all()
@@ -177,15 +193,25 @@ def test_fused_merge_equals_eager_merge():
 @gpu
 @pytest.mark.parametrize("chunk", [64, 100, 333, 1000])
 def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk):
-    """bf16, 16-token pages: each chunk boundary falls inside a page for 100 and 333."""
+    """bf16, 16-token pages: each chunk boundary falls inside a page for 100 and 333. Bound:
+    chunking moves the logits less than bf16 itself does (whole bf16 vs whole fp32), and the
+    argmax agrees with fp32 wherever fp32 is confident."""
     make_hf_model("qwen3", tmp_path, **GPU_SHAPE)
-    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16", page_size=16, enforce_eager=True)
     ids = random_prompts(1, [1500], vocab=2048, seed=chunk)[0]
+    llm32 = make_llm(tmp_path, device="cuda", dtype="float32", page_size=16, enforce_eager=True)
+    whole32 = engine_prefill_logits(llm32, ids)
+    del llm32
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16", page_size=16, enforce_eager=True)
     whole = engine_prefill_logits(llm, ids).float()
     chunked = engine_prefill_logits(llm, ids, chunk=chunk).float()
-    rel = ((chunked - whole).norm() / whole.norm()).item()
-    assert rel < 1e-2, rel
-    assert (chunked.argmax(-1) == whole.argmax(-1)).float().mean() > 0.98
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(chunked, whole) < rel(whole, whole32), (rel(chunked, whole), rel(whole, whole32))
+    top2 = whole32.topk(2, dim=-1).values
+    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert (chunked.argmax(-1) == whole32.argmax(-1))[confident].all()
 
 
 @pytest.mark.parametrize("chunk", [7, 13, 64])

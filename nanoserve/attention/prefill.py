@@ -53,10 +53,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 @fused
 def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
                    lse2: torch.Tensor) -> torch.Tensor:
-    """Two attentions of the same queries over disjoint keys ([T, H, d], LSE [H, T]) as one."""
+    """Two attentions of the same queries over disjoint keys ([T, H, d], LSE [T, H]) as one."""
     lse = torch.logaddexp(lse1, lse2)
-    w1 = torch.exp(lse1 - lse).t().unsqueeze(-1)
-    w2 = torch.exp(lse2 - lse).t().unsqueeze(-1)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
@@ -67,7 +67,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix:
     if k_prefix.shape[0] == 0:
         return o
     op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale)
-    return merge_partials(op, lsep, o, lse)
+    return merge_partials(op, lsep.t(), o, lse.t())
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from nanoserve import fused
 from nanoserve.attention.backend import select_backend
+from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
 from nanoserve.engine.graph_runner import DecodeGraphRunner
@@ -51,11 +52,21 @@ class ModelRunner:
         self.inputs = StepInputBuilder(cfg.page_size, self.device,
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
+        if self.device.type == "cuda":
+            self._compile_merge()
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs:
             self.graphs = DecodeGraphRunner(
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
+
+    def _compile_merge(self) -> None:
+        """Compiles the prefill merge now, not in the first request that has a cached prefix
+        (the other fused kernels compile in the memory-profiling prefill and graph capture)."""
+        o = torch.zeros(2, self.mcfg.num_heads, self.mcfg.head_dim, dtype=self.dtype,
+                        device=self.device)
+        lse = torch.zeros(2, self.mcfg.num_heads, device=self.device)
+        merge_partials(o, lse, o, lse)
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop its per-sequence sampling state."""
