@@ -45,8 +45,16 @@ CASES = [(t, p, h, hkv) for t, p in ((1, 0), (5, 0), (64, 0), (1, 1), (5, 7), (6
          for h, hkv in ((8, 8), (8, 2), (8, 1))]
 
 
+@pytest.fixture(params=["one-kernel", "split"])
+def route(request, monkeypatch):
+    """Both routes of a chunk with a prefix: one SDPA call (small work), or split and merged."""
+    if request.param == "split":
+        monkeypatch.setattr("nanoserve.attention.prefill.SPLIT_MIN_WORK", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("t,p,heads,kv_heads", CASES)
-def test_chunk_attention_cpu_matches_float64(t, p, heads, kv_heads):
+def test_chunk_attention_cpu_matches_float64(t, p, heads, kv_heads, route):
     q, k, v = random_qkv(t, p, heads, kv_heads, 16, torch.float32, "cpu", t * 100 + p)
     out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], 0.25)
     err = (out.double() - reference(q, k, v, p, 0.25)).abs().max().item()
@@ -107,12 +115,28 @@ def paged_case(query_lens, prefix_lens, heads, kv_heads, d, page_size, dtype, de
         full
 
 
-def test_paged_prefill_cpu_several_sequences_unaligned_prefixes():
+def test_paged_prefill_cpu_several_sequences_unaligned_prefixes(route):
     q, k, v, layer, ctx, full = paged_case([5, 1, 9, 4], [0, 13, 6, 30], 8, 2, 16, 4,
                                            torch.float32, "cpu", 0)
     out = paged_prefill(q, k, v, layer, ctx)
     ref = torch.cat([reference(*f[:3], f[3], layer.scale) for f in full])
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch):
+    """The route follows SPLIT_MIN_WORK: the split route calls the LSE kernel twice."""
+    import nanoserve.attention.prefill as prefill
+
+    calls = []
+    real = prefill.attention_with_lse
+    monkeypatch.setattr(prefill, "attention_with_lse",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    q, k, v = random_qkv(16, 48, 4, 2, 8, torch.float32, "cpu", 0)
+    chunk_attention(q, k[48:], v[48:], k[:48], v[:48], 0.3)
+    assert calls == []  # 16 * 64 < SPLIT_MIN_WORK: one SDPA call
+    monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 16 * 64)
+    chunk_attention(q, k[48:], v[48:], k[:48], v[:48], 0.3)
+    assert calls == [16, 16]
 
 
 def test_varlen_only_for_many_short_fresh_prompts():
@@ -144,7 +168,7 @@ def sdpa_error(q, k, v, p, scale):
 @pytest.mark.parametrize("t,p", [(1, 0), (257, 0), (300, 700), (1000, 1), (64, 4096),
                                  (2048, 2048)])
 @pytest.mark.parametrize("heads,kv_heads,d", [(32, 8, 128), (8, 2, 32), (16, 16, 64)])
-def test_chunk_attention_cuda_bf16_matches_float64(t, p, heads, kv_heads, d):
+def test_chunk_attention_cuda_bf16_matches_float64(t, p, heads, kv_heads, d, route):
     q, k, v = random_qkv(t, p, heads, kv_heads, d, torch.bfloat16, "cuda", t + p)
     out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], d**-0.5)
     err = (out.double() - reference(q, k, v, p, d**-0.5)).abs().max().item()
@@ -152,7 +176,7 @@ def test_chunk_attention_cuda_bf16_matches_float64(t, p, heads, kv_heads, d):
 
 
 @gpu
-def test_paged_prefill_cuda_bf16_several_sequences():
+def test_paged_prefill_cuda_bf16_several_sequences(route):
     q, k, v, layer, ctx, full = paged_case([300, 1, 77, 512], [0, 555, 256, 1000], 32, 8, 128,
                                            256, torch.bfloat16, "cuda", 1)
     out = paged_prefill(q, k, v, layer, ctx)
@@ -192,7 +216,7 @@ def test_fused_merge_equals_eager_merge():
 
 @gpu
 @pytest.mark.parametrize("chunk", [64, 100, 333, 1000])
-def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk):
+def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk, route):
     """bf16, 16-token pages: each chunk boundary falls inside a page for 100 and 333. Bound:
     chunking moves the logits less than bf16 itself does (whole bf16 vs whole fp32), and the
     argmax agrees with fp32 wherever fp32 is confident."""
@@ -215,7 +239,7 @@ def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk):
 
 
 @pytest.mark.parametrize("chunk", [7, 13, 64])
-def test_chunked_prefill_equals_unchunked_cpu(tmp_path, chunk):
+def test_chunked_prefill_equals_unchunked_cpu(tmp_path, chunk, route):
     make_hf_model("qwen3", tmp_path)
     llm = make_llm(tmp_path)  # float32, 4-token pages: chunk ends inside pages for 7 and 13
     ids = random_prompts(1, [150], seed=chunk)[0]

@@ -6,6 +6,12 @@ an H200 only FA2 and the memory-efficient kernel take (~330 TFLOP/s). So the two
 apart, each through cuDNN's Hopper kernel with its log-sum-exp (~590 TFLOP/s, GQA native), and
 are merged by their log-sum-exps. Measured by tools/bench_attention.py; docs/perf-notes.md.
 
+cuDNN builds an execution plan for each new shape (45-85 ms on an H200, once per process), so a
+small chunk with a prefix, whose attention takes less than a plan build, goes through torch's
+SDPA with the bottom-right causal mask instead (FA2 or the memory-efficient kernel, no plans):
+a short question after a long cached document, say. A fresh prompt's causal attention goes to
+cuDNN either way (SDPA picks it too).
+
 A step of many short fresh prompts (no prefix) goes through one FA2 varlen call instead of a
 call per prompt: 2.3x faster at 16 x 512 tokens, where each per-prompt call fills few SMs.
 """
@@ -13,12 +19,17 @@ call per prompt: 2.3x faster at 16 x 512 tokens, where each per-prompt call fill
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from nanoserve.context import ForwardContext
 from nanoserve.fused import fused
 
 aten = torch.ops.aten
 
+# a chunk with a prefix splits in two (cuDNN) when T * (P + T) is at least this: 8192-token chunks
+# always do; a 1024-token chunk from a 64K prefix on
+SPLIT_MIN_WORK = 1 << 26
 # fresh prompts at most this long, two or more in a step, share one varlen call
 VARLEN_MAX_LEN = 1024
 
@@ -63,11 +74,24 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix: torch.Tensor,
                     v_prefix: torch.Tensor, scale: float) -> torch.Tensor:
     """A chunk's queries over its prefix's keys (all visible) and its own (causal)."""
+    t, p = q.shape[0], k_prefix.shape[0]
+    if 0 < p and t * (p + t) < SPLIT_MIN_WORK:
+        return _one_kernel(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), scale)
     o, lse = attention_with_lse(q, k, v, True, scale)
-    if k_prefix.shape[0] == 0:
+    if p == 0:
         return o
     op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale)
     return merge_partials(op, lsep.t(), o, lse.t())
+
+
+def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, d] over k, v [P + T, Hkv, d], causal from the bottom-right corner, in one SDPA
+    call (heads expanded: the masked kernels take no GQA)."""
+    t, rep = q.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), scale=scale,
+                                       attn_mask=causal_lower_right(t, k.shape[0]))
+    return o[0].transpose(0, 1)
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
