@@ -50,6 +50,10 @@ class EngineConfig:
     enable_fusion: bool = _field(True, "On CUDA, fuse the elementwise work between the GEMMs "
                                  "(norms, RoPE, SiLU, residual adds) into one kernel each with "
                                  "torch.compile; compiled once per process at start.")
+    async_scheduling: bool = _field(True, "While the device runs a decode step, the host "
+                                    "schedules and launches the next one (tokens read back a "
+                                    "step late). Used for plain decode steps with resident KV "
+                                    "and no logprobs or penalties.")
     max_graph_batch_size: int = _field(64, "Largest decode batch captured as a CUDA graph "
                                        "(larger batches run eagerly).", min=1)
     attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "

@@ -189,7 +189,7 @@ def test_a_page_shared_by_a_decode_batch_is_loaded_once():
     seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(23)), pages=shared + [6 + i])
             for i in range(3)]
     for s in seqs:
-        s.num_tokens = len(s.token_ids)
+        s.num_tokens, s.num_pending = len(s.token_ids), 0
     plan = builder.build(Batch(False, seqs, [1, 1, 1])).offload
     assert plan.load_runs == [(1, 6)]  # pages 1..5 once, not three times
 

@@ -180,7 +180,7 @@ def test_streaming_splits_no_multibyte_character():
     """A model scripted to emit the bytes of non-ASCII text one token at a time: multi-byte
     characters arrive split across tokens, and the stream must still carry whole characters."""
     text = "héllo wörld ✓ 日本語 🙂 end"
-    llm = LLM(progress=False, **ENGINE)
+    llm = LLM(progress=False, **ENGINE, async_scheduling=False)  # every step through run()
     script = llm.tokenizer.encode(text, add_special_tokens=False)
     assert len(script) == len(text.encode())
     real_run = llm.engine.runner.run

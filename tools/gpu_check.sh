@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|sweep|sampling]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -38,6 +38,25 @@ for w in $what; do
     profile)  # a step's kernel time by category (docs/perf-notes.md)
       run python3 tools/profile_step.py --prefill 32768 --decode 1x32768,64x512 --top 8 2>&1 \
         | grep -v "it/s\]\|arn" | tee "$OUT/profile.log" ;;
+    stall)  # issue 17: a stream's largest gap while a 32K prompt arrives (before: a tree of an
+            # earlier commit in .before86, if carried, runs this bench against its engine)
+      run $B --input-len 32768 --output-len 8 --resident-graph --offload-graph --stall \
+        --out "$OUT/stall" 2>&1 | grep -v "it/s\]" | tail -4
+      if [ -d .before86 ]; then
+        cp bench_offload.py .before86/bench_stall_new.py
+        (cd .before86 && PYTHONPATH=$PWD run python3 bench_stall_new.py --model Qwen3-8B \
+          --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
+          2>&1 | grep -v "it/s\]" | tail -3)
+      fi ;;
+    decode)  # issue 17: TPOT at batch 1 / 32K and 64 x 512, async scheduling on and off
+      for i in ${REPS:-1}; do
+        for a in "" --sync-scheduling; do
+          run $B --input-len 32768 --output-len 128 --resident-graph $a --out "$OUT/dec1$a$i" \
+            2>&1 | grep -v "it/s\]" | tail -1
+          run $B --input-len 512 --batch-size 64 --output-len 128 --resident-graph $a \
+            --out "$OUT/dec64$a$i" 2>&1 | grep -v "it/s\]" | tail -1
+        done
+      done ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice

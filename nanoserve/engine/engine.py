@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import LaunchedStep, ModelRunner
 from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Batch, Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -65,6 +65,7 @@ class LLMEngine:
                                    mixed_steps=self.kv.streamer is None)
         self.sequences: dict[int, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
+        self._launched: LaunchedStep | None = None  # async scheduling: the step in flight
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; InvalidParameter("prompt") otherwise."""
@@ -118,21 +119,73 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One scheduled step; returns the sequences that finished in it. A failure inside the
         step fails the sequences it belongs to (finish_reason "error") and nothing else; only a
-        device failure, which no later step would survive either, is raised."""
-        batch, finished = self.scheduler.schedule()
-        if batch is not None:
-            try:
-                tokens = self.runner.run(batch)
-            except Exception as e:
-                if is_device_failure(e):
-                    raise
-                finished += self._run_one_by_one(batch, e)
-            else:
-                finished += self._postprocess(batch, tokens)
+        device failure, which no later step would survive either, is raised.
+
+        Async scheduling: a plain decode step is launched before the previous one's tokens are
+        read; the host reads those while the device runs the new step. A sequence that stopped
+        in the previous step has then already been given a row in the new one: that row's token
+        is discarded when it is read (Scheduler.postprocess skips finished sequences), and the
+        KV it writes lands in pages just freed, which the stream's order keeps from any later
+        owner until it is done."""
+        ahead = self._can_launch_ahead()
+        finished = [] if ahead else self._collect_launched()
+        batch, dropped = self.scheduler.schedule()
+        finished += dropped
+        if batch is None:
+            finished += self._collect_launched()
+        elif ahead:
+            finished += self._launch(batch)
+        else:
+            finished += self._run(batch)
         for seq in finished:
             self.sequences.pop(seq.seq_id, None)
             self.runner.release(seq.seq_id)
         return finished
+
+    def _run(self, batch: Batch) -> list[Sequence]:
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as e:
+            if is_device_failure(e):
+                raise
+            return self._run_one_by_one(batch, e)
+        return self._postprocess(batch, tokens)
+
+    def _can_launch_ahead(self) -> bool:
+        """Whether the next step may launch before the step in flight is read: a plain decode
+        step (no prefill, no preemption) with resident KV, whose sampling reads nothing the
+        host has not seen (no penalties, no logprobs)."""
+        return (self.cfg.async_scheduling and self.kv.streamer is None
+                and self.scheduler.next_step_is_plain_decode()
+                and all(not s.params.has_penalties and s.params.logprobs is None
+                        for s in self.scheduler.running))
+
+    def _launch(self, batch: Batch) -> list[Sequence]:
+        """Launches `batch` behind the step in flight, then reads that one's tokens."""
+        previous = self._launched
+        try:
+            launched = self.runner.launch(batch, previous.tokens if previous else None)
+        except Exception as e:
+            if is_device_failure(e):
+                raise
+            finished = self._collect_launched()
+            live = [s for s in batch.seqs if not s.is_finished]
+            return finished + self._run_one_by_one(Batch(False, live, [1] * len(live)), e)
+        for seq in batch.seqs:
+            seq.num_pending += 1
+        finished = self._collect_launched()  # the previous step, read while this one runs
+        self._launched = launched
+        return finished
+
+    def _collect_launched(self) -> list[Sequence]:
+        """Reads the step in flight (if any) and advances its sequences."""
+        step, self._launched = self._launched, None
+        if step is None:
+            return []
+        tokens = self.runner.collect(step)
+        for seq in step.batch.seqs:
+            seq.num_pending -= 1
+        return self._postprocess(step.batch, tokens)
 
     def _run_one_by_one(self, batch: Batch, error: Exception) -> list[Sequence]:
         """Reruns a failed step's sequences alone, so the failure lands on its owner. Rerunning
@@ -176,9 +229,11 @@ class LLMEngine:
         self.scheduler.abort(seq)
         self.sequences.pop(seq.seq_id, None)
         self.runner.release(seq.seq_id)
+        if self._launched is not None and all(s.is_finished for s in self._launched.batch.seqs):
+            self._launched = None  # nothing left to read from it
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def describe_memory(self) -> str:
         return self.kv.describe()

@@ -3,6 +3,8 @@ replay, then the sampler."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanoserve import fused
@@ -11,17 +13,26 @@ from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
 from nanoserve.engine.graph_runner import DecodeGraphRunner
-from nanoserve.engine.sampler import build_sampling_tensors, sample
+from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
-from nanoserve.engine.step_inputs import StepInputBuilder, StepInputs
+from nanoserve.engine.step_inputs import InFlightTokens, StepInputBuilder, StepInputs
 from nanoserve.engine.token_stats import TokenStats
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step whose kernels are queued and whose tokens the host has not read yet."""
+    batch: Batch
+    tokens: InFlightTokens  # on device: the next step's input ids
+    host_tokens: torch.Tensor  # on cpu (pinned on CUDA): filled once `done` has passed
+    done: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -124,6 +135,36 @@ class ModelRunner:
         logprobs = iter(out.logprobs or [None] * len(seqs))
         batch.logprobs = [next(logprobs) if yes else None for yes in inputs.samples]
         return [next(tokens) if yes else None for yes in inputs.samples]
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, in_flight: InFlightTokens | None) -> LaunchedStep:
+        """Queues a decode step (inputs, forward, sampling) and returns without waiting for it:
+        async scheduling. Sequences still waiting for `in_flight`'s tokens take them on the
+        device. No logprobs, no penalties (both read the host's view of the tokens)."""
+        n = len(batch.seqs)
+        graphs = self._graphs_for(batch)
+        inputs = self.inputs.build(batch, graphs.padded_size(n) if graphs else None, in_flight)
+        logits = self.forward(batch, inputs)
+        key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
+        positions = [s.num_tokens + s.num_pending for s in batch.seqs]
+        t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
+                                   positions=positions)
+        tokens = sample_on_device(logits, t, key_dtype)
+        done = None
+        host = tokens
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+        return LaunchedStep(batch, InFlightTokens(tokens, rows), host, done)
+
+    def collect(self, step: LaunchedStep) -> list[int]:
+        """A launched step's tokens, waiting for the step to finish."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.host_tokens.tolist()
 
     def _graphs_for(self, batch: Batch) -> DecodeGraphRunner | None:
         if batch.is_prefill or self.graphs is None or not self.graphs.can_run(len(batch.seqs)):

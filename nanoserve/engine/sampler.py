@@ -97,11 +97,12 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 
 def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = False,
-                           stats: TokenStats | None = None) -> SamplingTensors | None:
+                           stats: TokenStats | None = None,
+                           positions: list[int] | None = None) -> SamplingTensors | None:
     """`seqs`: objects with `params` (SamplingParams), `seed`, `seq_id`, `token_ids`,
-    `num_prompt_tokens`; each samples the token at position len(token_ids). `stats`: the
-    engine's per-sequence token statistics (penalties); without them, built for this call.
-    None when every row is plain greedy (nothing to upload)."""
+    `num_prompt_tokens`; each samples the token at its `positions` entry (default:
+    len(token_ids)). `stats`: the engine's per-sequence token statistics (penalties); without
+    them, built for this call. None when every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
     if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
            for p in params):
@@ -121,7 +122,8 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
     rows[:, 2] = [p.min_p for p in params]
     rows[:, 3] = top_ks
     rows[:, 4] = greedy
-    rows[:, 5] = uniforms([s.seed for s in seqs], [s.num_tokens for s in seqs])
+    rows[:, 5] = uniforms([s.seed for s in seqs],
+                          positions or [len(s.token_ids) for s in seqs])
     packed = put(torch.from_numpy(rows), torch.float32)
     penalties = None
     if any(p.has_penalties for p in params):
@@ -289,14 +291,8 @@ def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors | None,
-           key_dtype: torch.dtype | None = None) -> SampleOutput:
-    """logits: [B, V] float32 of the rows that sample this step, on any device. t=None: every
-    row is plain greedy. key_dtype: a dtype that holds the logits exactly (the model's)."""
-    if t is None:
-        (tokens,) = _to_host(logits.argmax(-1))
-        return SampleOutput(tokens.tolist(), None)
-    raw = logits
+def _draw_tokens(logits: torch.Tensor, t: SamplingTensors,
+                 key_dtype: torch.dtype | None) -> torch.Tensor:
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
         key_dtype = None
@@ -304,17 +300,33 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None,
         logits = apply_logit_bias(logits, t.logit_bias)
         key_dtype = None
     if t.all_greedy:
-        tokens = logits.argmax(-1)
-    else:
-        # Every sampled row draws in the same (sorted) order whatever its batch holds: a row's
-        # token depends on its own logits, parameters and uniform only.
-        sums, _, order, kept = filter_candidates(logits, t, key_dtype)
-        # a stable sort puts the argmax (the lowest id among equals, as argmax) first
-        tokens = torch.where(t.greedy, order[:, 0], draw(sums, order, kept, t.uniform))
+        return logits.argmax(-1)
+    # Every sampled row draws in the same (sorted) order whatever its batch holds: a row's
+    # token depends on its own logits, parameters and uniform only.
+    sums, _, order, kept = filter_candidates(logits, t, key_dtype)
+    # a stable sort puts the argmax (the lowest id among equals, as argmax) first
+    return torch.where(t.greedy, order[:, 0], draw(sums, order, kept, t.uniform))
+
+
+def sample_on_device(logits: torch.Tensor, t: SamplingTensors | None,
+                     key_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sampled token ids (int64 [B], on the logits' device), no logprobs, nothing read
+    back: the next step can take them as inputs before the host sees them."""
+    return logits.argmax(-1) if t is None else _draw_tokens(logits, t, key_dtype)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors | None,
+           key_dtype: torch.dtype | None = None) -> SampleOutput:
+    """logits: [B, V] float32 of the rows that sample this step, on any device. t=None: every
+    row is plain greedy. key_dtype: a dtype that holds the logits exactly (the model's)."""
+    if t is None:
+        (tokens,) = _to_host(logits.argmax(-1))
+        return SampleOutput(tokens.tolist(), None)
+    tokens = _draw_tokens(logits, t, key_dtype)
     if t.num_logprobs < 0:
         (tokens,) = _to_host(tokens)
         return SampleOutput(tokens.tolist(), None)
-    logprobs = raw.log_softmax(-1)
+    logprobs = logits.log_softmax(-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_values, top_ids = logprobs.topk(max(t.num_logprobs, 1), dim=-1)
     tokens, chosen, top_values, top_ids = _to_host(tokens, chosen, top_values, top_ids)

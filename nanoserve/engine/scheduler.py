@@ -140,7 +140,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.kv.grow(seq, seq.num_tokens) and seq.status == Status.RUNNING:
+            if seq.num_pending and self._reaches_length(seq, seq.num_pending):
+                continue  # its last token is in flight: it finishes when that is read
+            # room for the token this step writes, after those still in flight
+            while not self.kv.grow(seq, seq.num_tokens + seq.num_pending) and \
+                    seq.status == Status.RUNNING:
                 if not self._release_pages_for(seq):
                     # alone and still out of pages: its context outgrew the whole KV budget
                     self.finish(seq, "length")
@@ -148,6 +152,16 @@ class Scheduler:
             if seq.status == Status.RUNNING:
                 batch.append(seq)
         return Batch(False, batch, [1] * len(batch)) if batch else None
+
+    def next_step_is_plain_decode(self) -> bool:
+        """Whether the next step decodes every running sequence and nothing else, with no
+        preemption: nothing waits, and the free pages cover every sequence's next token."""
+        if self.waiting or not self.running:
+            return False
+        ps = self.kv.spec.page_size
+        need = sum(1 for s in self.running
+                   if (s.num_tokens + s.num_pending - 1) // ps >= len(s.pages))
+        return need <= self.kv.num_free
 
     def _release_pages_for(self, seq: Sequence) -> bool:
         """Frees pages for a decoding `seq`: first from partly prefilled prompts, then by
@@ -178,6 +192,8 @@ class Scheduler:
         logprobs = batch.logprobs or [None] * len(batch.seqs)
         for seq, n, tok, lp in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs,
                                    strict=True):
+            if seq.is_finished:
+                continue  # it stopped in the step before, read back after this one launched
             seq.num_cached += n
             self.kv.cache_full_pages(seq)
             if tok is None:
@@ -211,9 +227,13 @@ class Scheduler:
                 text = self.detokenize(seq.output_token_ids)
                 seq.output_text = text[:min(i for s in p.stop if (i := text.find(s)) >= 0)]
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._reaches_length(seq):
             return "length"
         return None
+
+    def _reaches_length(self, seq: Sequence, extra: int = 0) -> bool:
+        return (seq.num_output_tokens + extra >= seq.params.max_tokens
+                or seq.num_tokens + extra >= self.max_model_len)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:

@@ -33,6 +33,9 @@ class Sequence:
         self.pages: list[int] = []
         # Invariant: KV of token_ids[:num_cached] is in this sequence's pages.
         self.num_cached = 0
+        # tokens sampled by launched steps, not yet read back (async scheduling): the next one
+        # this sequence samples is at position num_tokens + num_pending
+        self.num_pending = 0
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
         self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages, as computed
         self.num_pages_cached = 0  # its first pages that are in the prefix cache

@@ -51,6 +51,13 @@ class StepInputs:
         return ctx
 
 
+@dataclass
+class InFlightTokens:
+    """A launched step's sampled tokens, on the device, before the host reads them."""
+    tokens: torch.Tensor  # int64 [sampling rows]
+    rows: dict[int, int]  # seq_id -> its row in tokens
+
+
 def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool
            ) -> dict[str, torch.Tensor]:
     """Host arrays -> device tensors: one staging buffer (pinned on CUDA), one non-blocking
@@ -92,11 +99,14 @@ class StepInputBuilder:
             table[i, :len(p)] = p
         return table
 
-    def build(self, batch: Batch, pad_to: int | None = None) -> StepInputs:
-        """pad_to: decode rows to pad to (a captured graph's size)."""
+    def build(self, batch: Batch, pad_to: int | None = None,
+              in_flight: InFlightTokens | None = None) -> StepInputs:
+        """pad_to: decode rows to pad to (a captured graph's size). in_flight: the tokens of
+        the step launched before this one, not yet read back; a decode row whose sequence
+        waits for one takes it as its input id on the device."""
         if batch.is_prefill:
             return self._prefill(batch)
-        return self._decode(batch, pad_to or len(batch.seqs))
+        return self._decode(batch, pad_to or len(batch.seqs), in_flight)
 
     def _prefill(self, batch: Batch) -> StepInputs:
         ps = self.page_size
@@ -140,16 +150,23 @@ class StepInputBuilder:
                           query_lens=list(batch.num_new_tokens),
                           prefix_lens=[s.num_cached for s in batch.seqs], offload=plan)
 
-    def _decode(self, batch: Batch, rows: int) -> StepInputs:
+    def _decode(self, batch: Batch, rows: int, in_flight: InFlightTokens | None) -> StepInputs:
         ps, n = self.page_size, len(batch.seqs)
         ids = np.zeros(rows, np.int64)
         pos = np.zeros(rows, np.int64)
         slots = np.full(rows, DUMMY_PAGE * ps, np.int64)
         lens = np.ones(rows, np.int32)
+        from_step = np.full(rows, -1, np.int64)  # row of in_flight.tokens, or -1: ids[i]
         load, tail_pages, tail_rows, flush_pages, flush_rows = [], [], [], [], []
         for i, s in enumerate(batch.seqs):
-            p = s.num_tokens - 1  # the token this step writes
-            ids[i], pos[i], slots[i], lens[i] = s.token_ids[-1], p, self._slot(s.pages, p), p + 1
+            p = s.num_tokens - 1 + s.num_pending  # the token this step writes
+            if s.num_pending:
+                if self.tail_row is not None:
+                    raise ValueError("async scheduling needs resident KV")
+                from_step[i] = in_flight.rows[s.seq_id]
+            else:
+                ids[i] = s.token_ids[-1]
+            pos[i], slots[i], lens[i] = p, self._slot(s.pages, p), p + 1
             if self.tail_row is not None:
                 load += s.pages[:p // ps]
                 tail_pages.append(s.pages[p // ps])
@@ -157,12 +174,15 @@ class StepInputBuilder:
                 if (p + 1) % ps == 0:  # the tail fills: it goes home after the step
                     flush_pages.append(tail_pages[-1])
                     flush_rows.append(tail_rows[-1])
-        arrays = {"ids": ids, "pos": pos, "slots": slots, "lens": lens,
+        arrays = {"ids": ids, "from_step": from_step, "pos": pos, "slots": slots, "lens": lens,
                   "table": self._page_table([s.pages for s in batch.seqs], rows),
                   "tail_pages": np.array(tail_pages, np.int64),
                   "tail_rows": np.array(tail_rows, np.int64),
                   "flush_rows": np.array(flush_rows, np.int64)}
         t = upload(arrays, self.device, self.pin)
+        if in_flight is not None:
+            src = t["from_step"]
+            t["ids"] = torch.where(src >= 0, in_flight.tokens[src.clamp(min=0)], t["ids"])
         plan = None
         if self.tail_row is not None:
             plan = StepPlan(load_runs=distinct_runs(load), tail_pages=t["tail_pages"],

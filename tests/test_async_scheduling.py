@@ -1,0 +1,112 @@
+"""Async scheduling: a plain decode step launches before the previous one's tokens are read.
+Every output equals the synchronous engine's: stop tokens, stop strings, max_tokens, seeded
+sampling, preemption; nothing is emitted after a stop and no page is leaked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+from helpers import make_llm
+
+from nanoserve import SamplingParams
+from nanoserve.kv.spec import KVSpec
+
+
+def outputs(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(prompts, params)]
+
+
+def count_launches(llm) -> list[str]:
+    """Records, in order, each step the runner launches ahead and each one it reads back."""
+    runner, calls = llm.engine.runner, []
+    launch, collect = runner.launch, runner.collect
+
+    def spy_launch(batch, in_flight):
+        calls.append("launch")
+        return launch(batch, in_flight)
+
+    def spy_collect(step):
+        calls.append("collect")
+        return collect(step)
+
+    runner.launch, runner.collect = spy_launch, spy_collect
+    return calls
+
+
+def both(path, **kw):
+    return make_llm(path, async_scheduling=False, **kw), make_llm(path, **kw)
+
+
+def test_async_decode_launches_the_next_step_before_reading_the_last(qwen3_dir):
+    sync, async_ = both(qwen3_dir)
+    calls = count_launches(async_)
+    prompts = random_prompts(3, [7, 12, 5], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert outputs(async_, prompts, params) == outputs(sync, prompts, params)
+    # 19 decode steps: each launched before the previous one is read
+    assert calls[:3] == ["launch", "launch", "collect"]
+    assert calls.count("launch") == 19 and calls.count("collect") == 19
+    assert async_.engine.kv.num_free == async_.engine.kv.capacity
+
+
+def test_stops_end_a_sequence_where_the_synchronous_engine_does(qwen3_dir):
+    sync, async_ = both(qwen3_dir)
+    prompts = random_prompts(4, [10, 6, 15, 9], seed=9)
+    free = outputs(sync, prompts, SamplingParams(temperature=0.0, max_tokens=30,
+                                                 ignore_eos=True))
+    # each prompt stops at a different step on its own stop token; one runs to max_tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[t[k]])
+              for (t, _, _), k in zip(free, (3, 11, 0, 29), strict=True)]
+    calls = count_launches(async_)
+    got = outputs(async_, prompts, params)
+    assert got == outputs(sync, prompts, params)
+    for (ids, reason, _), (full, _, _), k in zip(got, free, (3, 11, 0, 29), strict=True):
+        assert ids == full[:full.index(full[k]) + 1]  # nothing after the stop token
+        assert reason == ("length" if len(ids) == 30 and k == 29 else "stop")
+    assert calls.count("launch") > 10
+    kv = async_.engine.kv
+    assert kv.num_free == kv.capacity and not async_.engine.has_unfinished()
+
+
+def test_stop_strings_and_seeded_sampling_match_the_synchronous_engine():
+    sync, async_ = both(None)
+    prompt = "the quick brown fox"
+    free = sync.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
+                                                ignore_eos=True))[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=16, stop=[free[6:9]], ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=5,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, max_tokens=12, seed=6, n=2,
+                             ignore_eos=True)]
+    calls = count_launches(async_)
+    for p in params:
+        assert outputs(async_, prompt, p) == outputs(sync, prompt, p)
+    assert calls.count("launch") > 20
+
+
+def test_preemption_under_async_scheduling_gives_the_same_tokens(qwen3_dir):
+    prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    page_bytes = KVSpec(3, 4, 2, 16, torch.float32).page_bytes()
+    tight = [make_llm(qwen3_dir, gpu_kv_budget_gib=41 * page_bytes / 2**30,
+                      async_scheduling=a) for a in (False, True)]
+    calls = count_launches(tight[1])
+    ref, got = (outputs(llm, prompts, params) for llm in tight)
+    assert got == ref
+    assert tight[1].engine.scheduler.num_preemptions > 0
+    assert calls.count("launch") > 10
+    assert tight[1].engine.kv.num_free == 40
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
+])
+def test_logprobs_and_penalties_run_synchronously(qwen3_dir, params):
+    sync, async_ = both(qwen3_dir)
+    calls = count_launches(async_)
+    prompt = random_prompts(1, [9], seed=3)[0]
+    a, b = async_.generate(prompt, params)[0], sync.generate(prompt, params)[0]
+    assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert calls == []  # both read the host's view of the tokens: no step launches ahead
