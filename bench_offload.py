@@ -134,7 +134,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
             kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
     elif args.gpu_kv_budget is not None and args.force_budget_resident:
         kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
-    kw["async_scheduling"] = not args.sync_scheduling
+    if args.sync_scheduling:
+        kw["async_scheduling"] = False
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()
