@@ -33,13 +33,14 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = max_model_len
         fused.set_enabled(cfg.enable_fusion)
-        self.backend = select_backend(cfg.attention_backend, self.device)
+        kv_dtype = cfg.torch_kv_dtype
+        self.backend = select_backend(cfg.attention_backend, self.device, kv_dtype == self.dtype)
         self.backend.configure(self.mcfg.num_kv_heads, max_model_len)
         for attn in model.attention_layers:
             attn.backend = self.backend
         self.token_stats = TokenStats(self.mcfg.vocab_size, cfg.max_num_seqs, self.device)
 
-        spec = KVSpec.for_model(self.mcfg, cfg.page_size, self.dtype)
+        spec = KVSpec.for_model(self.mcfg, cfg.page_size, kv_dtype)
         max_pages_per_seq = pages_needed(max_model_len, cfg.page_size)
         host_gib = (cfg.host_kv_budget_gib or default_host_budget_gib()) if \
             cfg.enable_offload else 0.0
@@ -85,7 +86,7 @@ class ModelRunner:
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         num_pages = pages_needed(n, spec.page_size) + 1
         scratch = spec.empty(spec.num_layers, num_pages, self.device)
-        bind_kv(self.model.attention_layers, scratch)
+        bind_kv(self.model.attention_layers, spec, scratch)
         torch.cuda.reset_peak_memory_stats()
         seq = Sequence([0] * n, SamplingParams(max_tokens=1))
         seq.pages = list(range(1, num_pages))
