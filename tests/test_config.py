@@ -144,5 +144,7 @@ def test_bench_takes_its_engine_defaults_from_the_config():
     assert args.gpu_kv_budget == config_default("gpu_kv_budget_gib")
     assert args.dummy_weights == config_default("dummy_weights")
     assert args.resident_layers == 0  # the bench's own: every layer streams
+    assert args.kv_cache_dtype == config_default("kv_cache_dtype")
+    assert bench_offload.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     args = bench_offload.parse_args(["--resident-layers", "-1"])
     assert args.resident_layers == config_default("resident_layers")
