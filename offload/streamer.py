@@ -2,8 +2,8 @@
 
 Ring: `num_slots` GPU slots, each [2, num_pages, page row] (offload/layout.py: a row holds a
 page's values and, for a quantized KV dtype, their scales), mirroring the whole page-id range so
-that page tables need no remapping. Streamed layer j always uses slot
-j % num_slots (so a captured per-layer graph has fixed addresses).
+that page tables need no remapping. Streamed layer j always uses slot j % num_slots (so a
+captured per-layer graph has fixed addresses).
 
 Tails: each running sequence's last, partly filled page of every streamed layer lives on the GPU
 (`tails[j, :, row]`), written by decode steps; it goes to the host in one copy per layer when the

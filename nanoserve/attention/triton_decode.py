@@ -64,8 +64,9 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # no-op cast unless
-        if SCALED:  # the cache stores another dtype
+        # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if SCALED:
             scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
             k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
             qk = qk * (k_scale[None, :] * scale)

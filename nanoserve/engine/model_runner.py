@@ -17,6 +17,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
 from nanoserve.engine.step_inputs import StepInputBuilder, StepInputs
 from nanoserve.engine.token_stats import TokenStats
+from nanoserve.kv.fp8 import dequantize
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
@@ -54,20 +55,27 @@ class ModelRunner:
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
         if self.device.type == "cuda":
-            self._compile_merge()
+            self._compile_prefill_kernels(spec)
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs:
             self.graphs = DecodeGraphRunner(
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
 
-    def _compile_merge(self) -> None:
-        """Compiles the prefill merge now, not in the first request that has a cached prefix
-        (the other fused kernels compile in the memory-profiling prefill and graph capture)."""
+    def _compile_prefill_kernels(self, spec: KVSpec) -> None:
+        """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
+        now, not in the first request that has a cached prefix (the other fused kernels
+        compile in the memory-profiling prefill and graph capture)."""
         o = torch.zeros(2, self.mcfg.num_heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
         lse = torch.zeros(2, self.mcfg.num_heads, device=self.device)
         merge_partials(o, lse, o, lse)
+        if spec.quantized:
+            for n in (2, 1):
+                values = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                                     device=self.device)
+                dequantize(values, torch.ones(n, spec.num_kv_heads, device=self.device),
+                           self.dtype)
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop its per-sequence sampling state."""

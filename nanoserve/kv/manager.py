@@ -65,12 +65,12 @@ def plan_kv(spec: KVSpec, budget: KVBudget) -> ResidencyPlan:
                           budget.num_slots, tail_bytes, budget.resident_layers)
 
 
-def bind_kv(attention_layers, spec: KVSpec, kv: torch.Tensor, first: int = 0) -> None:
-    """Layers first, first+1, ... read their KV (values and scales) from kv[0], kv[1], ...
-    ([L, 2, pages, row], the spec's layout)."""
-    for i in range(kv.shape[0]):
+def bind_kv(attention_layers, spec: KVSpec, layer_kvs, first: int = 0) -> None:
+    """Layers first, first+1, ... read their KV (values and, for FP8, scales) from
+    layer_kvs[0], layer_kvs[1], ... (each [2, pages, row], the spec's layout)."""
+    for i, layer_kv in enumerate(layer_kvs):
         attn = attention_layers[first + i]
-        attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = spec.views(kv[i])
+        attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = spec.views(layer_kv)
 
 
 class KVManager:
@@ -210,9 +210,8 @@ class KVManager:
         (fixed addresses, so per-layer graphs stay valid)."""
         bind_kv(attention_layers, self.spec, self.resident)
         if self.streamer is not None:
-            first = self.plan.resident_layers
-            for j in range(self.plan.streamed_layers):
-                bind_kv(attention_layers, self.spec, self.streamer.slot(j)[None], first + j)
+            slots = [self.streamer.slot(j) for j in range(self.plan.streamed_layers)]
+            bind_kv(attention_layers, self.spec, slots, self.plan.resident_layers)
 
     def used_bytes(self) -> dict[str, int]:
         """KV bytes in use, by tier (one page id holds a token range of every layer)."""
