@@ -51,6 +51,8 @@ for w in $what; do
       done
       run $B --input-len 32768,131072 --bench-all --kv-cache-dtype fp8 --out "$OUT/fp8" 2>&1 \
         | grep -v "it/s\]" | tail -14
+      run $B --input-len 131072 --resident-graph --out "$OUT/bf16-128k" 2>&1 \
+        | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
         --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice

@@ -5,10 +5,11 @@ computes attention for all query heads of h's GQA group at once (one tl.dot per 
 an unnormalized-free partial output and its log-sum-exp. Stage 2 merges the splits. The split
 count depends only on the batch size, so a captured graph stays valid for any context length.
 
-FP8 KV (kv/fp8.py) is read as stored and dequantized in registers. K: e4m3 values convert
-exactly to the query's dtype and each token's scale multiplies its column of q.k in float32.
-V: each tile is dequantized as kv/fp8.dequantize does (float32 product, one rounding to the
-query's dtype; folding the scale into the probabilities instead could underflow in float16).
+FP8 KV (kv/fp8.py) is read as stored and dequantized in registers: e4m3 values convert exactly
+to the query's dtype, and each token's scale multiplies, in float32, its column of q.k (K) and
+its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products, not
+its [tokens, head_dim] values. (Under a float16 model, p * scale may fall to float16's
+subnormals for tokens of negligible weight.)
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def _decode_split_kernel(
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if SCALED:
-            v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
-            v = v.to(tl.float32) * v_scale[:, None]
+        if SCALED:  # each token's V scale, folded into its column of the probabilities
+            p = p * tl.load(VScale + scale_at, mask=n_mask, other=0.0)[None, :]
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
