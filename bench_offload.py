@@ -4,6 +4,7 @@ measured ceilings (PCIe host->device, device memory, bf16 matmul), in one run.
     python bench_offload.py --input-len 16384 --bench-all
     python bench_offload.py --model Qwen3-8B --input-len 4096,16384,32768 --batch-size 1,4
     python bench_offload.py --input-len 16384 --batch-size 1,16 --sampled   # greedy vs sampled
+    python bench_offload.py --input-len 32768,131072 --bench-all --kv-cache-dtype fp8
 
 Reports per mode: TTFT, prefill tok/s, TPOT median/p90 (decode steps only), decode tok/s,
 output tok/s (all output tokens over the whole run), peak GPU memory, host->device bytes per
@@ -28,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig, config_default
+from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import num_model_params, resolve_model_dir
@@ -141,7 +142,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
-              max_model_len=input_len + args.output_len, max_num_seqs=batch, **kw)
+              max_model_len=input_len + args.output_len, max_num_seqs=batch,
+              kv_cache_dtype=args.kv_cache_dtype, **kw)
     engine, runner = llm.engine, llm.engine.runner
     kv = engine.kv
     need = batch * -(-(input_len + args.output_len) // kv.spec.page_size)
@@ -178,7 +180,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     row = {
         "mode": mode, "input_len": input_len, "batch": batch, "sampling": label,
         "async_scheduling": not args.sync_scheduling,
-        **sampling_params,
+        **sampling_params, "kv_cache_dtype": args.kv_cache_dtype,
         "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
         "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
         "tpot_ms_median": tpot * 1e3,
@@ -351,7 +353,8 @@ def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[d
 
 def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
     free, _ = torch.cuda.mem_get_info()
-    spec = KVSpec.for_model(cfg, EngineConfig().page_size, torch.bfloat16)
+    kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.bfloat16)  # auto: bf16 on CUDA
+    spec = KVSpec.for_model(cfg, EngineConfig().page_size, kv_dtype)
     kv = batch * (input_len + args.output_len) * spec.token_bytes()
     weights = num_model_params(cfg) * 2
     return weights + kv < 0.9 * free
@@ -465,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bench-all", action="store_true", help="run every mode")
     for mode in MODES:
         ap.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
+    ap.add_argument("--kv-cache-dtype", default=config_default("kv_cache_dtype"),
+                    choices=["auto", *KV_CACHE_DTYPES],
+                    help="KV cache dtype of every nanoserve mode (fp8: e4m3 with per-token "
+                         "scales; the floors count its bytes); transformers keeps bf16")
     ap.add_argument("--resident-layers", type=int, default=0,
                     help="offload modes: layers kept resident (default 0: every layer streams)")
     ap.add_argument("--gpu-kv-budget", type=float, default=config_default("gpu_kv_budget_gib"),
@@ -560,12 +567,13 @@ def main() -> None:
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     (out / "bench.json").write_text(json.dumps(
-        {"machine": machine, "model": args.model, "ceilings": ceil, "stall": stall,
+        {"machine": machine, "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
+         "ceilings": ceil, "stall": stall,
          "sampling": [dict(label=label, **params) for label, params in runs], "rows": rows},
         indent=1))
     plot(rows, out / "bench.png")
-    print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), output {args.output_len}"
-          f" tokens, {machine['date']}")
+    print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), KV cache "
+          f"{args.kv_cache_dtype}, output {args.output_len} tokens, {machine['date']}")
     print_table(rows, ceil)
     if stall:
         print_stall(stall)

@@ -13,6 +13,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # and auto
 
 
 def _field(default, help: str, **cli):
@@ -31,6 +32,10 @@ class EngineConfig:
                         "Default: the embedded tiny model.")
     dtype: str = _field("auto", "Weights, activations and KV cache; auto: bf16 on CUDA, fp32 on "
                         "CPU.", choices=("auto", *DTYPES, *DTYPE_ALIASES))
+    kv_cache_dtype: str = _field("auto", "KV cache of every tier (GPU pool, host store, ring "
+                                 "slots): auto is the model's dtype; fp8 is e4m3 with a float32 "
+                                 "scale per token and kv head (half the bytes, twice the "
+                                 "context).", choices=("auto", *KV_CACHE_DTYPES))
     device: str = _field("auto", "auto (cuda when available), cpu, cuda or cuda:N.")
     page_size: int = _field(256, "Tokens per KV page (a power of two; flash-attn's paged "
                             "kernels need a multiple of 256).", min=1)
@@ -102,6 +107,11 @@ class EngineConfig:
         check(self.max_graph_batch_size >= 1, "max_graph_batch_size must be >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        check(self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be auto, bfloat16 or fp8, got {self.kv_cache_dtype!r}")
+        check(self.kv_cache_dtype != "fp8" or self.attention_backend != "flash",
+              "kv_cache_dtype fp8: the flash attention backend reads no FP8 KV; use "
+              "attention_backend triton or auto")
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check(dtype == "auto" or dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
@@ -127,6 +137,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The stored KV values' dtype."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 def config_default(name: str):

@@ -5,9 +5,9 @@ the layer loop and calls the streamer before and after each streamed layer.
 """
 
 from offload.host_store import HostKVStore, coalesce_runs
-from offload.layout import kv_shape
+from offload.layout import PageLayout
 from offload.plan import ResidencyPlan, plan_residency
 from offload.streamer import LayerStreamer, StepPlan
 
-__all__ = ["HostKVStore", "LayerStreamer", "ResidencyPlan", "StepPlan", "coalesce_runs",
-           "kv_shape", "plan_residency"]
+__all__ = ["HostKVStore", "LayerStreamer", "PageLayout", "ResidencyPlan", "StepPlan",
+           "coalesce_runs", "plan_residency"]

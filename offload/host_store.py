@@ -1,8 +1,8 @@
 """Pinned host memory holding the KV of every streamed layer: the source of truth for them.
 
 In the shared layout (offload/layout.py) a run of consecutive page ids moves in one copy per K
-and V (>= 1 MiB for real models: 256-token pages are 512 KiB of K for an 8-kv-head, d=128, bf16
-layer), never one copy per page.
+and V, scales included (>= 1 MiB for real models: 256-token pages are 512 KiB of K for an
+8-kv-head, d=128, bf16 layer, 264 KiB in FP8 with its scales), never one copy per page.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def coalesce_runs(pages: list[int]) -> list[tuple[int, int]]:
 
 class HostKVStore:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
-        """shape: kv_shape(streamed layers, pages, ...)."""
+        """shape: PageLayout.shape(streamed layers, pages): [layer, 2, page, page row]."""
         self.data = torch.empty(shape, dtype=dtype, pin_memory=pin)
         self.num_layers, self.num_pages = shape[0], shape[2]
 

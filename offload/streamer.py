@@ -1,8 +1,9 @@
 """Moves streamed layers' KV between the host store and the GPU ring, on a copy stream.
 
-Ring: `num_slots` GPU slots, each [2, num_pages, page_size, kv_heads, head_dim], mirroring the
-whole page-id range so that page tables need no remapping. Streamed layer j always uses slot
-j % num_slots (so a captured per-layer graph has fixed addresses).
+Ring: `num_slots` GPU slots, each [2, num_pages, page row] (offload/layout.py: a row holds a
+page's values and, for a quantized KV dtype, their scales), mirroring the whole page-id range so
+that page tables need no remapping. Streamed layer j always uses slot j % num_slots (so a
+captured per-layer graph has fixed addresses).
 
 Tails: each running sequence's last, partly filled page of every streamed layer lives on the GPU
 (`tails[j, :, row]`), written by decode steps; it goes to the host in one copy per layer when the
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.host_store import HostKVStore
-from offload.layout import kv_shape
 
 
 @dataclass
@@ -50,10 +50,8 @@ class LayerStreamer:
         self.num_streamed = host.num_layers
         self.num_slots = min(num_slots, max(1, self.num_streamed))
         self.device = device
-        _, _, pages, page_size, heads, dim = d.shape
-        self.slots = torch.zeros(kv_shape(self.num_slots, pages, page_size, heads, dim),
-                                 dtype=d.dtype, device=device)
-        self.tails = torch.zeros(kv_shape(self.num_streamed, max_seqs + 1, page_size, heads, dim),
+        self.slots = torch.zeros((self.num_slots, *d.shape[1:]), dtype=d.dtype, device=device)
+        self.tails = torch.zeros((self.num_streamed, 2, max_seqs + 1, *d.shape[3:]),
                                  dtype=d.dtype, device=device)
         self.dummy_row = max_seqs
         self.cuda = device.type == "cuda"
@@ -68,16 +66,16 @@ class LayerStreamer:
     def gpu_bytes(self) -> int:
         return (self.slots.numel() + self.tails.numel()) * self.slots.element_size()
 
-    def slot_kv(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot = self.slots[j % self.num_slots]
-        return slot[0], slot[1]
+    def slot(self, j: int) -> torch.Tensor:
+        """The ring slot streamed layer j reads, [2, pages, page row]."""
+        return self.slots[j % self.num_slots]
 
     def _on_copy_stream(self):
         return torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
 
     def begin_step(self, plan: StepPlan) -> None:
         self.plan = plan
-        page_bytes = self.slots[0, 0, 0].numel() * self.slots.element_size() * 2
+        page_bytes = self.slots[0, :, 0].numel() * self.slots.element_size()  # K and V rows
         self.bytes_loaded = self.num_streamed * page_bytes * sum(b - a for a, b in plan.load_runs)
         for j in range(min(self.num_slots, self.num_streamed)):
             self._load(j)

@@ -46,11 +46,23 @@ def engine_prefill_logits(llm, token_ids: list[int], chunk: int | None = None) -
         engine.kv.free(seq)
 
 
+def host_kv_views(engine, layer: int) -> tuple[torch.Tensor, ...]:
+    """Streamed layer `layer`'s K and V values and scales (None unless FP8) in the host store."""
+    return engine.kv.spec.views(engine.kv.streamer.host.data[layer])
+
+
 def corrupt_host_kv(engine, layer: int, pages: list[int], value: float | None = None) -> None:
-    """Overwrites streamed layer `layer`'s K and V of `pages` in the host store: random values,
-    or `value`. Tests use it to prove that tokens really depend on what went through it."""
-    host = engine.kv.streamer.host.data
-    if value is None:
-        host[layer, :, pages] = torch.randn_like(host[layer, :, pages])
-    else:
-        host[layer, :, pages] = value
+    """Overwrites streamed layer `layer`'s K and V values of `pages` in the host store: random
+    values, or `value` (an FP8 cache keeps its scales). Tests use it to prove that tokens really
+    depend on what went through it."""
+    for values in host_kv_views(engine, layer)[:2]:
+        shape = values[pages].shape
+        new = torch.randn(shape) if value is None else torch.full(shape, value)
+        values[pages] = new.to(values.dtype)
+
+
+def corrupt_host_scales(engine, layer: int, pages: list[int], value: float) -> None:
+    """Sets the FP8 scales of streamed layer `layer`'s K and V of `pages` in the host store to
+    `value`, their values untouched."""
+    for scales in host_kv_views(engine, layer)[2:]:
+        scales[pages] = value

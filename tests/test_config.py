@@ -23,6 +23,7 @@ ALIASES = {"gpu_kv_budget_gib": "--gpu-kv-budget", "host_kv_budget_gib": "--host
 SIZED = {"generate": {"max_num_seqs"}, "serve": set()}  # sized by the command when not given
 # a valid value other than the default for every field: (command-line text, config value)
 VALUES = {"model": ("some-model", "some-model"), "dtype": ("fp16", "float16"),
+          "kv_cache_dtype": ("fp8", "fp8"),
           "device": ("cpu", "cpu"), "page_size": ("16", 16), "max_num_seqs": ("3", 3),
           "max_num_batched_tokens": ("100", 100), "max_model_len": ("128", 128),
           "gpu_memory_utilization": ("0.5", 0.5), "gpu_kv_budget_gib": ("1.5", 1.5),
@@ -144,5 +145,7 @@ def test_bench_takes_its_engine_defaults_from_the_config():
     assert args.gpu_kv_budget == config_default("gpu_kv_budget_gib")
     assert args.dummy_weights == config_default("dummy_weights")
     assert args.resident_layers == 0  # the bench's own: every layer streams
+    assert args.kv_cache_dtype == config_default("kv_cache_dtype")
+    assert bench_offload.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     args = bench_offload.parse_args(["--resident-layers", "-1"])
     assert args.resident_layers == config_default("resident_layers")

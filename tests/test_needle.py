@@ -3,6 +3,7 @@ greedy generation. A script and a pytest module.
 
     python tests/test_needle.py --input-len 32768 --enable-offload --use-cuda-graph \
         --depths 0,0.1,...,1
+    python tests/test_needle.py --input-len 32768 --enable-offload --kv-cache-dtype fp8
     python -m pytest tests/test_needle.py
 
 The script takes every engine option of `nanoserve generate` (default model: the embedded one,
@@ -269,11 +270,13 @@ def test_needle_answers_equal_transformers(resident_llm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["offload-graph", "offload-eager", "resident-graph"])
-def test_needle_32k_gpu(mode):
+def test_needle_32k_gpu(mode, kv_cache_dtype):
     llm = LLM(progress=False, max_model_len=32768 + 32, max_num_seqs=1,
               enforce_eager=mode.endswith("eager"), enable_offload=mode.startswith("offload"),
-              resident_layers=2 if mode.startswith("offload") else None)
+              resident_layers=2 if mode.startswith("offload") else None,
+              kv_cache_dtype=kv_cache_dtype)
     results = run_needle(llm, 32768, ALL_DEPTHS, seed=4)
     print(format_table(results))
     assert all(r.passed for r in results), format_table(results)

@@ -81,6 +81,7 @@ def test_merge_of_two_halves_is_order_free_and_exact():
 class _Layer:
     def __init__(self, k_cache, v_cache, scale):
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+        self.k_scale = self.v_scale = None
 
 
 def paged_case(query_lens, prefix_lens, heads, kv_heads, d, page_size, dtype, device, seed):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -59,6 +59,21 @@ for w in $what; do
       done ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
+    fp8)  # issue 13: FP8 KV tests, accuracy, the 32K needle in three modes, the bench, 512K
+      run python3 -m pytest -q -m gpu tests/test_gpu_fp8.py tests/test_gpu_kernels.py \
+        tests/test_gpu_offload.py -p no:cacheprovider -s 2>&1 | grep -v "it/s\]" \
+        | tee "$OUT/pytest_fp8.log" | grep -E "passed|failed|FAIL|Error|^E  |Qwen3-8B shape" | tail -40
+      run python3 tools/fp8_accuracy.py --device cuda 2>&1 | tee "$OUT/fp8_accuracy.log"
+      for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
+        run python3 tests/test_needle.py --input-len 32768 --kv-cache-dtype fp8 $m 2>&1 | tail -15 \
+          | tee -a "$OUT/needle_fp8.log"
+      done
+      run $B --input-len 32768,131072 --bench-all --kv-cache-dtype fp8 --out "$OUT/fp8" 2>&1 \
+        | grep -v "it/s\]" | tail -14
+      run $B --input-len 131072 --resident-graph --out "$OUT/bf16-128k" 2>&1 \
+        | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
+      run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
+        --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice
       run python3 tools/profile_sampler.py --profile none 2>&1 | tee "$OUT/sampler.log"
       for i in 1 2; do

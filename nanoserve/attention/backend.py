@@ -6,7 +6,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from nanoserve.attention.prefill import read_kv
 from nanoserve.context import ForwardContext, get_context
+from nanoserve.kv import fp8
 
 
 class AttentionBackend(ABC):
@@ -37,9 +39,16 @@ class AttentionBackend(ABC):
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
-        """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]. Writes k, v into the cache first."""
+        """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]. Writes k, v into the cache first.
+
+        A cache that stores K/V in another dtype (FP8, or bf16 under an fp32 model) is lossy:
+        a prefill chunk then attends to its own K/V as stored, as decode does, so a token's
+        attention never depends on which chunk (or which request, for a reused prefix)
+        computed the keys it sees. (vLLM lets a chunk see its own K/V unquantized instead.)"""
         ctx = get_context()
-        store_kv(k, v, layer.k_cache, layer.v_cache, ctx.slot_mapping)
+        store_kv(k, v, layer, ctx.slot_mapping)
+        if ctx.is_prefill and layer.k_cache.dtype != k.dtype:
+            k, v = read_kv(layer, ctx.slot_mapping, k.dtype)
         if ctx.parts is not None:
             decode, prefill = ctx.parts
             n = decode.slot_mapping.shape[0]
@@ -56,14 +65,24 @@ class AttentionBackend(ABC):
     def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor: ...
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    h, d = k_cache.shape[-2:]
-    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer, slot_mapping: torch.Tensor) -> None:
+    """The new tokens' K, V [tokens, kv_heads, d] into their slots of `layer`'s cache:
+    quantized with their scales (kv/fp8.py) or cast to the cache's dtype."""
+    if layer.k_scale is not None:
+        fp8.store(k, v, layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale, slot_mapping)
+        return
+    h, d = layer.k_cache.shape[-2:]
+    layer.k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(layer.k_cache.dtype))
+    layer.v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(layer.v_cache.dtype))
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, kv_in_model_dtype: bool = True
+                   ) -> AttentionBackend:
+    """kv_in_model_dtype: False when the KV cache is stored in another dtype (FP8), which
+    flash-attn's kernels cannot read."""
+    if name == "flash" and not kv_in_model_dtype:
+        raise ValueError("attention backend 'flash' reads KV only in the model's dtype: use "
+                         "attention backend triton (or auto) with this kv cache dtype")
     if name == "auto":
         if device.type != "cuda":
             name = "torch"
@@ -71,7 +90,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             try:
                 import flash_attn  # noqa: F401
 
-                name = "flash"
+                name = "flash" if kv_in_model_dtype else "triton"
             except ImportError:
                 name = "triton"
     if name == "torch":

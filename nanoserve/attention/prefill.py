@@ -24,6 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from nanoserve.context import ForwardContext
 from nanoserve.fused import fused
+from nanoserve.kv.fp8 import dequantize
 
 aten = torch.ops.aten
 
@@ -94,10 +95,34 @@ def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return o[0].transpose(0, 1)
 
 
-def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's first `length` tokens from the paged cache, as [length, kv_heads, d]."""
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """A sequence's first `length` tokens from the paged cache, as [length, kv_heads, d] in
+    `dtype` (default: the cache's); an FP8 cache with its `scales` is dequantized."""
     n = (length + cache.shape[1] - 1) // cache.shape[1]
-    return cache.index_select(0, pages[:n]).flatten(0, 1)[:length]
+    if scales is None:
+        kv = cache.index_select(0, pages[:n]).flatten(0, 1)[:length]
+        return kv if dtype is None else kv.to(dtype)
+    values = cache.view(torch.uint8).index_select(0, pages[:n]).view(cache.dtype)
+    return dequantize(values.flatten(0, 1)[:length],
+                      scales.index_select(0, pages[:n]).flatten(0, 1)[:length], dtype)
+
+
+def read_kv(layer, slot_mapping: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [tokens, kv_heads, d] of the step's new tokens as `layer`'s cache holds them,
+    dequantized, in `dtype`."""
+    page_size = layer.k_cache.shape[1]
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+
+    def read(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        if scales is None:
+            return cache[page, offset].to(dtype)
+        values = cache.view(torch.uint8)[page, offset].view(cache.dtype)
+        return dequantize(values, scales[page, offset], dtype)
+
+    return read(layer.k_cache, layer.k_scale), read(layer.v_cache, layer.v_scale)
 
 
 def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
@@ -109,8 +134,8 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
     for i, (qlen, plen) in enumerate(zip(ctx.query_lens, ctx.prefix_lens, strict=True)):
         end = start + qlen
         pages = ctx.page_tables[i]
-        kp = gather_kv(layer.k_cache, pages, plen)
-        vp = gather_kv(layer.v_cache, pages, plen)
+        kp = gather_kv(layer.k_cache, pages, plen, layer.k_scale, q.dtype)
+        vp = gather_kv(layer.v_cache, pages, plen, layer.v_scale, q.dtype)
         out[start:end] = chunk_attention(q[start:end], k[start:end], v[start:end], kp, vp,
                                          layer.scale)
         start = end

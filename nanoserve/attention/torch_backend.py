@@ -20,8 +20,11 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         lens = ctx.context_lens.tolist()
         for i, n in enumerate(lens):
-            ki = gather_kv(layer.k_cache, ctx.page_tables[i], n).transpose(0, 1).unsqueeze(0)
-            vi = gather_kv(layer.v_cache, ctx.page_tables[i], n).transpose(0, 1).unsqueeze(0)
+            pages = ctx.page_tables[i]
+            ki = gather_kv(layer.k_cache, pages, n, layer.k_scale, q.dtype).transpose(0, 1) \
+                .unsqueeze(0)
+            vi = gather_kv(layer.v_cache, pages, n, layer.v_scale, q.dtype).transpose(0, 1) \
+                .unsqueeze(0)
             qi = q[i:i + 1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qi, ki, vi, scale=layer.scale, enable_gqa=True)
             out[i] = o[0, :, 0]

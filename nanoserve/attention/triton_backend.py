@@ -56,4 +56,5 @@ class TritonBackend(AttentionBackend):
 
     def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,
-                                      ctx.context_lens, layer.scale, ctx.attn_meta.num_splits)
+                                      ctx.context_lens, layer.scale, ctx.attn_meta.num_splits,
+                                      k_scale=layer.k_scale, v_scale=layer.v_scale)

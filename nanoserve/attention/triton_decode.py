@@ -4,6 +4,12 @@ Stage 1: program (sequence b, kv head h, split s) reads its share of b's KV tile
 computes attention for all query heads of h's GQA group at once (one tl.dot per tile), writing
 an unnormalized-free partial output and its log-sum-exp. Stage 2 merges the splits. The split
 count depends only on the batch size, so a captured graph stays valid for any context length.
+
+FP8 KV (kv/fp8.py) is read as stored and dequantized in registers: e4m3 values convert exactly
+to the query's dtype, and each token's scale multiplies, in float32, its column of q.k (K) and
+its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products, not
+its [tokens, head_dim] values. (Under a float16 model, p * scale may fall to float16's
+subnormals for tokens of negligible weight.)
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ BLOCK_N = 64
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, PageTable, ContextLens, MidO, MidLse, scale,
+    Q, K, V, KScale, VScale, PageTable, ContextLens, MidO, MidLse, scale,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
+    stride_sp, stride_st, stride_sh,
     stride_pt,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,7 +65,14 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if SCALED:
+            scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
+            k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
+            qk = qk * (k_scale[None, :] * scale)
+        else:
+            qk = qk * scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -66,6 +80,9 @@ def _decode_split_kernel(
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if SCALED:  # each token's V scale, folded into its column of the probabilities
+            p = p * tl.load(VScale + scale_at, mask=n_mask, other=0.0)[None, :]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -112,30 +129,40 @@ def num_splits_for(batch: int, num_kv_heads: int, max_len: int, num_sms: int) ->
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [batch, heads, d]; caches: [pages, page_size, kv_heads, d]; page_tables: [batch, n]
-    int32; context_lens: [batch] int32 (>= 1 for every row). Returns [batch, heads, d]."""
+    int32; context_lens: [batch] int32 (>= 1 for every row); FP8 caches come with their scales
+    [pages, page_size, kv_heads] (K's and V's share strides). Returns [batch, heads, d]."""
     batch, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    scaled = k_scale is not None
+    if scaled:
+        assert k_scale.stride() == v_scale.stride()
+    else:  # never read: the unscaled kernel has no scale loads
+        k_scale = v_scale = k_cache
     mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_tables, context_lens, mid_o, mid_lse, scale,
+        q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-        PRECISION=precision, num_warps=4, num_stages=2,
+        PRECISION=precision, SCALED=scaled, num_warps=4, num_stages=2,
     )
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, out,

@@ -19,6 +19,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
 from nanoserve.engine.step_inputs import InFlightTokens, StepInputBuilder, StepInputs
 from nanoserve.engine.token_stats import TokenStats
+from nanoserve.kv.fp8 import dequantize
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
@@ -44,13 +45,14 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = max_model_len
         fused.set_enabled(cfg.enable_fusion)
-        self.backend = select_backend(cfg.attention_backend, self.device)
+        kv_dtype = cfg.torch_kv_dtype
+        self.backend = select_backend(cfg.attention_backend, self.device, kv_dtype == self.dtype)
         self.backend.configure(self.mcfg.num_kv_heads, max_model_len)
         for attn in model.attention_layers:
             attn.backend = self.backend
         self.token_stats = TokenStats(self.mcfg.vocab_size, cfg.max_num_seqs, self.device)
 
-        spec = KVSpec.for_model(self.mcfg, cfg.page_size, self.dtype)
+        spec = KVSpec.for_model(self.mcfg, cfg.page_size, kv_dtype)
         max_pages_per_seq = pages_needed(max_model_len, cfg.page_size)
         host_gib = (cfg.host_kv_budget_gib or default_host_budget_gib()) if \
             cfg.enable_offload else 0.0
@@ -64,20 +66,27 @@ class ModelRunner:
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
         if self.device.type == "cuda":
-            self._compile_merge()
+            self._compile_prefill_kernels(spec)
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.supports_graphs:
             self.graphs = DecodeGraphRunner(
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
 
-    def _compile_merge(self) -> None:
-        """Compiles the prefill merge now, not in the first request that has a cached prefix
-        (the other fused kernels compile in the memory-profiling prefill and graph capture)."""
+    def _compile_prefill_kernels(self, spec: KVSpec) -> None:
+        """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
+        now, not in the first request that has a cached prefix (the other fused kernels
+        compile in the memory-profiling prefill and graph capture)."""
         o = torch.zeros(2, self.mcfg.num_heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
         lse = torch.zeros(2, self.mcfg.num_heads, device=self.device)
         merge_partials(o, lse, o, lse)
+        if spec.quantized:
+            for n in (2, 1):
+                values = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                                     device=self.device)
+                dequantize(values, torch.ones(n, spec.num_kv_heads, device=self.device),
+                           self.dtype)
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop its per-sequence sampling state."""
@@ -97,7 +106,7 @@ class ModelRunner:
         n = min(self.cfg.max_num_batched_tokens + self.cfg.max_num_seqs, self.max_model_len)
         num_pages = pages_needed(n, spec.page_size) + 1
         scratch = spec.empty(spec.num_layers, num_pages, self.device)
-        bind_kv(self.model.attention_layers, scratch)
+        bind_kv(self.model.attention_layers, spec, scratch)
         torch.cuda.reset_peak_memory_stats()
         seq = Sequence([0] * n, SamplingParams(max_tokens=1))
         seq.pages = list(range(1, num_pages))

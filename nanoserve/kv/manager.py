@@ -65,10 +65,12 @@ def plan_kv(spec: KVSpec, budget: KVBudget) -> ResidencyPlan:
                           budget.num_slots, tail_bytes, budget.resident_layers)
 
 
-def bind_kv(attention_layers, kv: torch.Tensor, first: int = 0) -> None:
-    """Layers first, first+1, ... read their KV from kv[0], kv[1], ... ([L, 2, pages, ...])."""
-    for i in range(kv.shape[0]):
-        attention_layers[first + i].k_cache, attention_layers[first + i].v_cache = kv[i]
+def bind_kv(attention_layers, spec: KVSpec, layer_kvs, first: int = 0) -> None:
+    """Layers first, first+1, ... read their KV (values and, for FP8, scales) from
+    layer_kvs[0], layer_kvs[1], ... (each [2, pages, row], the spec's layout)."""
+    for i, layer_kv in enumerate(layer_kvs):
+        attn = attention_layers[first + i]
+        attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = spec.views(layer_kv)
 
 
 class KVManager:
@@ -82,7 +84,7 @@ class KVManager:
         self.streamer: LayerStreamer | None = None
         if self.plan.offloading:
             host = HostKVStore(spec.shape(self.plan.streamed_layers, self.plan.num_pages),
-                               spec.dtype, pin=device.type == "cuda")
+                               spec.layout.storage_dtype, pin=device.type == "cuda")
             self.streamer = LayerStreamer(host, budget.num_slots, budget.max_seqs, device)
         self._free_tail_rows = list(range(budget.max_seqs))
         self._tail_rows: dict[int, int] = {}  # seq_id -> tail row (streamed layers)
@@ -206,11 +208,10 @@ class KVManager:
     def bind(self, attention_layers) -> None:
         """Resident layers read the resident pool; streamed layers their ring slot, for good
         (fixed addresses, so per-layer graphs stay valid)."""
-        bind_kv(attention_layers, self.resident)
+        bind_kv(attention_layers, self.spec, self.resident)
         if self.streamer is not None:
-            first = self.plan.resident_layers
-            for j, attn in enumerate(attention_layers[first:]):
-                attn.k_cache, attn.v_cache = self.streamer.slot_kv(j)
+            slots = [self.streamer.slot(j) for j in range(self.plan.streamed_layers)]
+            bind_kv(attention_layers, self.spec, slots, self.plan.resident_layers)
 
     def used_bytes(self) -> dict[str, int]:
         """KV bytes in use, by tier (one page id holds a token range of every layer)."""
@@ -219,8 +220,8 @@ class KVManager:
 
     def describe(self) -> str:
         tokens = self.capacity * self.spec.page_size
-        text = (f"KV cache: {self.capacity} pages of {self.spec.page_size} tokens = {tokens:,} "
-                f"tokens; {self.plan.describe()}")
+        text = (f"KV cache ({self.spec.describe()}): {self.capacity} pages of "
+                f"{self.spec.page_size} tokens = {tokens:,} tokens; {self.plan.describe()}")
         if self.streamer is not None:
             s = self.streamer
             text += (f"\n  host store {s.host.nbytes / GiB:.2f} GiB "

@@ -19,8 +19,9 @@ from nanoserve.models.layers import (
 
 
 class Attention(nn.Module):
-    """The attention op over the paged KV cache. Its KV source (`k_cache`, `v_cache`) is bound by
-    the engine: the resident page pool, or a ring slot on the offloaded path."""
+    """The attention op over the paged KV cache. Its KV source (`k_cache`, `v_cache` and, for
+    FP8 KV, `k_scale`, `v_scale`) is bound by the engine: the resident page pool, or a ring slot
+    on the offloaded path."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -28,6 +29,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # [num_pages, page_size, kv_heads, head_dim]
+        self.k_scale = self.v_scale = None  # FP8 KV: [num_pages, page_size, kv_heads] float32
         self.backend = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
