@@ -55,15 +55,20 @@ def test_stops_end_a_sequence_where_the_synchronous_engine_does(qwen3_dir):
     prompts = random_prompts(4, [10, 6, 15, 9], seed=9)
     free = outputs(sync, prompts, SamplingParams(temperature=0.0, max_tokens=30,
                                                  ignore_eos=True))
-    # each prompt stops at a different step on its own stop token; one runs to max_tokens
-    params = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[t[k]])
-              for (t, _, _), k in zip(free, (3, 11, 0, 29), strict=True)]
+    # each prompt stops at a different decode step, on a token it emits there first; the last
+    # one has a stop token it never emits and runs to max_tokens
+    firsts = [[t[k] for k in range(1, 30) if t[k] not in t[:k]] for t, _, _ in free[:3]]
+    stops = [new[min(i, len(new) - 1)] for i, new in enumerate(firsts)]
+    stops.append(next(x for x in range(320) if x not in free[3][0]))
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[x]) for x in stops]
     calls = count_launches(async_)
     got = outputs(async_, prompts, params)
     assert got == outputs(sync, prompts, params)
-    for (ids, reason, _), (full, _, _), k in zip(got, free, (3, 11, 0, 29), strict=True):
-        assert ids == full[:full.index(full[k]) + 1]  # nothing after the stop token
-        assert reason == ("length" if len(ids) == 30 and k == 29 else "stop")
+    for (ids, reason, _), (full, _, _), x in zip(got, free, stops, strict=True):
+        end = full.index(x) + 1 if x in full else 30
+        assert ids == full[:end]  # nothing after the stop token
+        assert reason == ("stop" if x in full else "length")
+    assert all(len(ids) > 1 for ids, _, _ in got)  # every stop came in a decode step
     assert calls.count("launch") > 10
     kv = async_.engine.kv
     assert kv.num_free == kv.capacity and not async_.engine.has_unfinished()
@@ -97,6 +102,23 @@ def test_preemption_under_async_scheduling_gives_the_same_tokens(qwen3_dir):
     assert tight[1].engine.scheduler.num_preemptions > 0
     assert calls.count("launch") > 10
     assert tight[1].engine.kv.num_free == 40
+
+
+def test_an_abort_while_a_step_is_in_flight_frees_everything(qwen3_dir):
+    llm = make_llm(qwen3_dir)
+    engine = llm.engine
+    seqs = [s for p in random_prompts(2, [6, 9], seed=2)
+            for s in engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=50))]
+    for _ in range(4):
+        engine.step()
+    assert engine._launched is not None  # a decode step is in flight
+    engine.abort(seqs[0])
+    for _ in range(3):
+        engine.step()
+    # 7 steps: the prefill token, 5 decode tokens read back, the 6th decode step in flight
+    assert seqs[0].finish_reason == "abort" and seqs[1].num_output_tokens == 6
+    engine.abort(seqs[1])
+    assert not engine.has_unfinished() and engine.kv.num_free == engine.kv.capacity
 
 
 @pytest.mark.parametrize("params", [

@@ -81,7 +81,6 @@ def test_mixed_steps_give_each_request_the_tokens_it_gets_alone(qwen3_dir):
     assert [s.output_token_ids for s in seqs] == alone
     mixed = [b for b, _ in batches if b is not None and b.num_decode]
     assert len(mixed) >= 10  # the later prompts' chunks all rode with decode rows
-    assert all(b.num_new_tokens[:b.num_decode] == [1] * b.num_decode for b in mixed)
     assert engine.kv.num_free == engine.kv.capacity
 
 

@@ -173,13 +173,15 @@ class LLMEngine:
             return finished + self._run_one_by_one(Batch(False, live, [1] * len(live)), e)
         for seq in batch.seqs:
             seq.num_pending += 1
-        finished = self._collect_launched()  # the previous step, read while this one runs
         self._launched = launched
-        return finished
+        return self._collect(previous)  # read while the new step runs
 
     def _collect_launched(self) -> list[Sequence]:
         """Reads the step in flight (if any) and advances its sequences."""
         step, self._launched = self._launched, None
+        return self._collect(step)
+
+    def _collect(self, step: LaunchedStep | None) -> list[Sequence]:
         if step is None:
             return []
         tokens = self.runner.collect(step)
@@ -211,13 +213,14 @@ class LLMEngine:
     def _postprocess(self, batch: Batch, tokens: list[int | None]) -> list[Sequence]:
         """The step's tokens into its sequences. Should that raise (a stop-string check's
         detokenizer, say), the step's sequences fail: their state may be half advanced."""
+        live = [s for s in batch.seqs if not s.is_finished]  # async: some stopped a step ago
         try:
             return self.scheduler.postprocess(batch, tokens)
         except Exception as e:
-            for seq in batch.seqs:
+            for seq in live:
                 if not seq.is_finished:
                     self._fail(seq, e)
-            return list(batch.seqs)
+            return live
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("request %d failed in a step: %s: %s", seq.seq_id, type(error).__name__, error,

@@ -123,7 +123,7 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
     rows[:, 3] = top_ks
     rows[:, 4] = greedy
     rows[:, 5] = uniforms([s.seed for s in seqs],
-                          positions or [len(s.token_ids) for s in seqs])
+                          [len(s.token_ids) for s in seqs] if positions is None else positions)
     packed = put(torch.from_numpy(rows), torch.float32)
     penalties = None
     if any(p.has_penalties for p in params):

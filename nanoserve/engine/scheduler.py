@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.errors import InvalidParameter
+from nanoserve.kv.pages import pages_needed
 from nanoserve.outputs import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class Scheduler:
                 # (only sequences that have not started wait, so no two wait for each other)
                 if self.kv.next_page_key(seq) in claimed:
                     break
+                if not self._fits_beside_decodes(seq):
+                    break
             chunk = min(seq.num_tokens - seq.num_cached, budget,
                         self.kv.room(seq) - seq.num_cached)
             if chunk <= 0:
@@ -125,6 +128,17 @@ class Scheduler:
             if seq.num_cached + chunk < seq.num_tokens:
                 break  # a partial chunk: this prompt continues next step, nothing behind it now
         return Batch(True, seqs, counts) if seqs else None
+
+    def _fits_beside_decodes(self, seq: Sequence) -> bool:
+        """Whether a prompt about to start fits whole in the free pages, less what the running
+        sequences grow by while it is prefilled (they decode in the same steps). A prompt that
+        started without that room would have its pages taken back by the first decode short of
+        a page, and start over, again and again."""
+        steps = -(-(seq.num_tokens - seq.num_cached) // self.max_num_batched_tokens)
+        ps = self.kv.spec.page_size
+        growth = sum(max(0, pages_needed(s.num_tokens + s.num_pending + steps, ps) - len(s.pages))
+                     for s in self.running)
+        return self.kv.room(seq) - growth * ps >= seq.num_tokens
 
     def _pages_being_computed(self, seqs=None) -> set[bytes]:
         """Prefix-cache keys of the full prompt pages that prefills under way will compute."""
@@ -155,8 +169,9 @@ class Scheduler:
 
     def next_step_is_plain_decode(self) -> bool:
         """Whether the next step decodes every running sequence and nothing else, with no
-        preemption: nothing waits, and the free pages cover every sequence's next token."""
-        if self.waiting or not self.running:
+        preemption: nothing can be admitted (nothing waits, or the batch is full), and the free
+        pages cover every sequence's next token."""
+        if not self.running or self.waiting and len(self.running) < self.max_num_seqs:
             return False
         ps = self.kv.spec.page_size
         need = sum(1 for s in self.running
