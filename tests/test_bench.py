@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_offload import hf_model_with_our_weights  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
 def test_hf_model_gets_nanoserves_dummy_weights(tmp_path, arch):
     make_hf_model(arch, tmp_path)
     ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -33,6 +33,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = max_model_len
         fused.set_enabled(cfg.enable_fusion)
+        model.set_moe_backend(cfg.moe_backend)
         self.backend = select_backend(cfg.attention_backend, self.device)
         self.backend.configure(self.mcfg.num_kv_heads, max_model_len)
         for attn in model.attention_layers:
