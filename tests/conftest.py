@@ -45,7 +45,7 @@ def tiny_hf_config(arch: str, **overrides):
         return transformers.Qwen3Config(head_dim=16, **common)
     if arch == "mistral":  # an explicit head_dim: q and o projections of 4 * 32 != 64 features
         common.setdefault("head_dim", 2 * common["hidden_size"] // common["num_attention_heads"])
-        return transformers.MistralConfig(sliding_window=None, **common)
+        return transformers.MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen3_moe":
         # layer 1 keeps a dense MLP: both kinds of layer in one model
         moe = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,

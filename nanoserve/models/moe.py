@@ -108,10 +108,10 @@ def _grouped_mm_fn():
 
 
 def _combine(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's k expert outputs (rows in token, slot order), weighted and summed in fp32."""
+    """Each token's k expert outputs (rows in token, slot order) weighted and summed: one
+    batched GEMM, accumulated in fp32 and rounded once."""
     t, k = weights.shape
-    mixed = out.view(t, k, -1).float() * weights.float().unsqueeze(-1)
-    return mixed.sum(dim=1).to(out.dtype)
+    return torch.bmm(weights.view(t, 1, k), out.view(t, k, -1)).view(t, -1)
 
 
 def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
