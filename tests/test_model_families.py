@@ -15,10 +15,12 @@ from conftest import HF_CLASSES, YARN, make_hf_model, random_prompts, tiny_hf_co
 from helpers import engine_prefill_logits, make_llm
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from nanoserve import SamplingParams
 from nanoserve.models import moe
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.layers import RotaryEmbedding
 from nanoserve.models.loader import resolve_model_dir
 from nanoserve.models.registry import FAMILIES
 from nanoserve.models.rope import inv_freq_and_attention_factor
@@ -64,7 +66,7 @@ def moe_model(tmp_path_factory):
     return make_hf_model("qwen3_moe", path), path
 
 
-# --- registry -----------------------------------------------------------------------------------
+# --- registry ------------------------------------------------------------------------------------
 def test_every_registered_family_has_a_tiny_model_checked_against_transformers():
     assert set(HF_CLASSES.values()) == set(FAMILIES)
 
@@ -84,7 +86,7 @@ def test_a_non_silu_activation_is_refused():
         ModelConfig.from_dict(raw)
 
 
-# --- YaRN ---------------------------------------------------------------------------------------
+# --- YaRN ----------------------------------------------------------------------------------------
 YARN_CASES = {
     "qwen3-8b-128k": dict(factor=4.0, original_max_position_embeddings=32768),
     "factor-from-lengths": dict(factor=None, original_max_position_embeddings=32768),
@@ -105,9 +107,6 @@ def test_yarn_frequencies_and_cos_sin_equal_transformers_bitwise(case):
     inv_freq, factor = inv_freq_and_attention_factor(128, cfg.rope_theta, cfg.rope_scaling)
     ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
     assert torch.equal(inv_freq, ref_inv_freq) and factor == ref_factor
-
-    from nanoserve.models.layers import RotaryEmbedding
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     ours = RotaryEmbedding(128, cfg.rope_theta, cfg.rope_scaling, 40000)
     ours.build()
@@ -146,7 +145,7 @@ def test_dropping_yarn_fails_the_comparison_with_transformers(yarn_model, tmp_pa
     assert err.item() > 100 * 2e-4
 
 
-# --- Mistral ------------------------------------------------------------------------------------
+# --- Mistral -------------------------------------------------------------------------------------
 def test_mistral_keeps_its_explicit_head_dim(tmp_path):
     make_hf_model("mistral", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
@@ -185,7 +184,7 @@ def test_qwen_windows_count_only_when_use_sliding_window_is_on(switch, window):
     assert ModelConfig.from_dict(raw).sliding_window == window
 
 
-# --- Qwen3-MoE: config ----------------------------------------------------------------------------
+# --- Qwen3-MoE: config ---------------------------------------------------------------------------
 @pytest.mark.parametrize("step, dense", [(1, []), (2, []), (1, [0, 2]), (2, [1])])
 def test_sparse_layers_are_the_ones_transformers_builds(step, dense):
     hf_cfg = tiny_hf_config("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=step,
@@ -216,7 +215,7 @@ def test_qwen3_30b_a3b_sizes():
     assert 111 < expected_distinct_experts(cfg, 32) < 112 < 128
 
 
-# --- Qwen3-MoE: the expert paths --------------------------------------------------------------------
+# --- Qwen3-MoE: the expert paths -----------------------------------------------------------------
 def _block(hidden: int, experts: int, top_k: int, inter: int, norm: bool, seed: int = 0):
     torch.manual_seed(seed)
     block = moe.SparseMoE(hidden, experts, top_k, inter, norm)
@@ -278,7 +277,7 @@ def test_an_unknown_moe_backend_is_refused(moe_model):
         make_llm(moe_model[1], moe_backend="triton")
 
 
-# --- Qwen3-MoE: loading -------------------------------------------------------------------------
+# --- Qwen3-MoE: loading --------------------------------------------------------------------------
 def test_a_checkpoint_with_stacked_experts_loads_as_per_expert_tensors_do(moe_model, tmp_path):
     """transformers keeps experts stacked in memory (mlp.experts.gate_up_proj [E, 2I, H]); a
     checkpoint saved that way loads into the same places."""
