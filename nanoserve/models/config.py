@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.models.registry import Family, family_named, family_of
+from nanoserve.models.registry import Family, family_of
 from nanoserve.models.rope import ROPE_TYPES
 
 
@@ -36,10 +36,6 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
-
-    @property
-    def family(self) -> Family:
-        return family_named(self.architecture)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:

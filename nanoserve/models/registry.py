@@ -42,7 +42,3 @@ def family_of(architectures: list[str] | None) -> Family:
             return FAMILIES[arch]
     raise ValueError(f"unsupported architecture {architectures or []}; nanoserve runs "
                      f"{', '.join(sorted(FAMILIES))}")
-
-
-def family_named(name: str) -> Family:
-    return next(f for f in FAMILIES.values() if f.name == name)
