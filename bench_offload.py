@@ -204,6 +204,58 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     return row
 
 
+# --- a running stream while a long prompt arrives -----------------------------------------------
+def run_stall(args, mode: str, input_len: int, cfg: ModelConfig) -> dict:
+    """A stream decodes; an input_len-token prompt arrives. The stream's largest gap between
+    tokens until the prompt's first token, against one step with a full prefill chunk."""
+    kw = dict(MODES[mode])
+    if kw.get("enable_offload"):
+        kw["resident_layers"] = args.resident_layers
+    llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
+              max_model_len=input_len + 256, max_num_seqs=2, **kw)
+    engine = llm.engine
+    g = torch.Generator().manual_seed(1)
+    # 128 tokens of output outlast a 1M-token prompt's chunk steps
+    stream_params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    [stream] = engine.add_request(torch.randint(0, cfg.vocab_size, (128,), generator=g).tolist(),
+                                  stream_params)
+    for _ in range(4):
+        engine.step()
+    [prompt] = engine.add_request(torch.randint(0, cfg.vocab_size, (input_len,),
+                                                generator=g).tolist(),
+                                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    chunk = min(engine.scheduler.max_num_batched_tokens, input_len)  # a full chunk's tokens
+    last, gaps, chunk_steps = time.perf_counter(), [], []
+    t0 = last
+    while prompt.num_output_tokens == 0:
+        a, cached, out = time.perf_counter(), prompt.num_cached, stream.num_output_tokens
+        engine.step()
+        now = time.perf_counter()
+        if prompt.num_cached - cached == chunk:
+            chunk_steps.append(now - a)
+        if stream.num_output_tokens > out:
+            gaps.append(now - last)
+            last = now
+    ttft = time.perf_counter() - t0
+    gaps.append(time.perf_counter() - last)  # a stream that got nothing waited the whole prefill
+    for s in (stream, prompt):
+        engine.abort(s)
+    step = statistics.median(chunk_steps) if chunk_steps else float("nan")
+    del llm, engine
+    gc.collect()
+    return {"mode": f"stall-{mode}", "input_len": input_len, "chunk": chunk, "ttft_s": ttft,
+            "max_gap_s": max(gaps), "chunk_step_s": step, "gap_over_chunk_step": max(gaps) / step}
+
+
+def print_stall(rows: list[dict]) -> None:
+    print("\na running stream while a long prompt is prefilled (largest gap between its tokens "
+          "vs one step with a full chunk):")
+    for r in rows:
+        print(f"  {r['mode']:<22} ctx {r['input_len']:>6}: largest gap {r['max_gap_s']:.3f} s, "
+              f"chunk step {r['chunk_step_s']:.3f} s ({r['chunk']} tokens), "
+              f"{r['gap_over_chunk_step']:.2f}x; prompt TTFT {r['ttft_s']:.2f} s")
+
+
 # --- transformers, same weights ----------------------------------------------------------------
 def hf_model_with_our_weights(model_dir: Path, dummy: bool, max_len: int,
                               device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -434,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the same weights and prompts (greedy)")
     ap.add_argument("--hf-max-len", type=int, default=32768,
                     help="with --compare-hf: longest context given to transformers")
+    ap.add_argument("--stall", action="store_true",
+                    help="also measure a decoding stream's largest gap between tokens while a "
+                         "prompt of each --input-len arrives (per graph mode)")
     ap.add_argument("--out", default="docs/bench", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
     if args.output_len < 2:
@@ -487,6 +542,8 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     add_sampling_ratios(rows)
+    stall = [run_stall(args, m, n, cfg) for n in lens for m in modes
+             if args.stall and m.endswith("graph")]
     if args.compare_hf:
         compare_hf(args, model_dir, cfg, ceil, rows,
                    [(n, b) for n in lens for b in batches if n <= args.hf_max_len])
@@ -495,13 +552,15 @@ def main() -> None:
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     (out / "bench.json").write_text(json.dumps(
-        {"machine": machine, "model": args.model, "ceilings": ceil,
+        {"machine": machine, "model": args.model, "ceilings": ceil, "stall": stall,
          "sampling": [dict(label=label, **params) for label, params in runs], "rows": rows},
         indent=1))
     plot(rows, out / "bench.png")
     print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), output {args.output_len}"
           f" tokens, {machine['date']}")
     print_table(rows, ceil)
+    if stall:
+        print_stall(stall)
 
 
 if __name__ == "__main__":

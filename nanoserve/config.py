@@ -38,7 +38,8 @@ class EngineConfig:
                             "kernels need a multiple of 256).", min=1)
     max_num_seqs: int = _field(64, "Most sequences in one batch.", min=1)
     max_num_batched_tokens: int = _field(8192, "Prefill tokens per step (the chunk size of "
-                                         "chunked prefill).", min=1)
+                                         "chunked prefill); running sequences' decode tokens "
+                                         "ride along on top.", min=1)
     max_model_len: int | None = _field(None, "Longest prompt + output, in tokens. Default: the "
                                        "model's maximum.", min=2)
     gpu_memory_utilization: float = _field(0.90, "Share of the device's memory the engine "

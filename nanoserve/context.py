@@ -25,6 +25,14 @@ class ForwardContext:
     # decode only
     context_lens: torch.Tensor | None = None  # on device, [batch]: tokens incl. the new one
     attn_meta: AttentionMetadata | None = None  # set by the attention backend's prepare
+    # a mixed step (prefill with decode rows riding along): its decode rows (the first tokens
+    # and page-table rows) and its prompt chunks, each a context of its own kind
+    parts: tuple[ForwardContext, ForwardContext] | None = None
+
+    def prepared_parts(self) -> tuple[ForwardContext, ...]:
+        """The contexts an attention backend prepares metadata for: the parts of a mixed step,
+        else this one."""
+        return self.parts or (self,)
 
 
 class AttentionMetadata:

@@ -40,6 +40,7 @@ from bench_offload import (  # noqa: E402
     parse_args,
     print_table,
     run_mode,
+    run_stall,
     sampling_runs,
 )
 from nanoserve.models.config import ModelConfig  # noqa: E402
@@ -106,6 +107,16 @@ def test_sampled_mode_runs_greedy_and_sampled_and_reports_ratios(monkeypatch, ca
     assert (f"  resident-eager  t0.8 p0.95  ctx     48 bs  2: TPOT "
             f"{sampled['tpot_vs_greedy']:.3f}x, output tok/s "
             f"{sampled['output_tok_s_vs_greedy']:.3f}x") in out
+
+
+def test_stall_mode_times_the_streams_gaps_against_a_chunk_step():
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "300", "--output-len", "4",
+                       "--stall"])
+    row = run_stall(args, "resident-graph", 300, ModelConfig.from_dir(EMBEDDED_MODEL))
+    assert (row["mode"], row["input_len"], row["chunk"]) == ("stall-resident-graph", 300, 300)
+    # one step prefills the whole prompt and carries the stream's token: the gap is that step
+    assert 0 < row["chunk_step_s"] <= row["max_gap_s"] <= row["ttft_s"]
+    assert row["gap_over_chunk_step"] < 1.5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -25,7 +25,8 @@ class AttentionBackend(ABC):
         return None
 
     def prepare(self, ctx: ForwardContext) -> None:
-        """Backend metadata for an eager step (stored in ctx.attn_meta)."""
+        """Backend metadata for an eager step (stored in ctx.attn_meta); a mixed step's parts
+        are prepared one by one (ForwardContext.prepared_parts)."""
         return None
 
     def prepare_capture(self, ctx: ForwardContext, bs: int) -> None:
@@ -39,6 +40,11 @@ class AttentionBackend(ABC):
         """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]. Writes k, v into the cache first."""
         ctx = get_context()
         store_kv(k, v, layer.k_cache, layer.v_cache, ctx.slot_mapping)
+        if ctx.parts is not None:
+            decode, prefill = ctx.parts
+            n = decode.slot_mapping.shape[0]
+            return torch.cat([self.decode(q[:n], layer, decode),
+                              self.prefill(q[n:], k[n:], v[n:], layer, prefill)])
         if ctx.is_prefill:
             return self.prefill(q, k, v, layer, ctx)
         return self.decode(q, layer, ctx)

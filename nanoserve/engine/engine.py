@@ -62,7 +62,8 @@ class LLMEngine:
             def detok(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=True)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, eos, detok)
+                                   self.max_model_len, eos, detok,
+                                   mixed_steps=self.kv.streamer is None)
         self.sequences: dict[int, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
 
@@ -143,7 +144,7 @@ class LLMEngine:
             return batch.seqs
         finished = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            alone = Batch(batch.is_prefill, [seq], [n])
+            alone = Batch(batch.is_prefill, [seq], [n])  # a decode row alone: a 1-token chunk
             try:
                 tokens = self.runner.run(alone)
             except Exception as e:

@@ -83,7 +83,8 @@ class ModelRunner:
 
     def _profile_free_bytes(self, spec: KVSpec) -> int:
         """KV bytes left after the model and a prefill of the largest chunk (its activations)."""
-        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        # a mixed step: a full chunk and a decode row per running sequence
+        n = min(self.cfg.max_num_batched_tokens + self.cfg.max_num_seqs, self.max_model_len)
         num_pages = pages_needed(n, spec.page_size) + 1
         scratch = spec.empty(spec.num_layers, num_pages, self.device)
         bind_kv(self.model.attention_layers, scratch)
@@ -140,7 +141,8 @@ class ModelRunner:
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         ctx = inputs.context()
-        self.backend.prepare(ctx)
+        for part in ctx.prepared_parts():
+            self.backend.prepare(part)
         state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows)
         with forward_context(ctx):
             self.executor.run(self.executor.segments(state), inputs.offload)

@@ -1,9 +1,15 @@
 """Continuous batching: which sequences run in the next step, and with how many tokens.
 
-A step is either a prefill step (chunks of waiting prompts under a token budget) or a decode step
-(one token for every running sequence). Prefill goes first, so new requests join the running
-batch at the next decode step. When decode runs out of pages the newest running sequence is
-preempted: its pages are freed and its tokens are recomputed later (prompt + output so far).
+A step is a decode step (one token for every running sequence), a prefill step (chunks of
+waiting prompts under a token budget), or, with resident KV, a mixed step: every running
+sequence's next token, and prompt chunks under the budget riding along, as in vLLM's chunked
+prefill. Running streams then never wait for a long prompt: each gets a token in
+every step, the step with a prefill chunk included. With streamed layers (offload) the two kinds
+alternate instead (a decoding sequence's last page lives in its tail row, which the prefill
+path does not read), so a stream waits at most one prefill step between tokens.
+
+When decode runs out of pages the newest running sequence is preempted: its pages are freed and
+its tokens are recomputed later (prompt + output so far).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Batch:
-    is_prefill: bool
+    is_prefill: bool  # runs through the prefill path: prompt chunks, decode rows riding along
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens fed per sequence (1 for decode)
+    num_decode: int = 0  # a mixed step's first seqs decode (one token each); the rest prefill
     # set by the model runner: per sequence, the sampled token's logprobs where asked for
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
@@ -33,7 +40,7 @@ class Batch:
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
-                 detokenize=None) -> None:
+                 detokenize=None, mixed_steps: bool = True) -> None:
         self.kv = kv  # pages come from, and go back to, the KV manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,6 +50,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.mixed_steps = mixed_steps  # else decode and prefill steps alternate
+        self._last_was_prefill = False
 
     def check_admissible(self, num_prompt_tokens: int) -> None:
         """Raises ValueError for a prompt that can never run (the request is refused alone)."""
@@ -66,8 +75,26 @@ class Scheduler:
         """The next step's batch, and the sequences that finished while it was made (a context
         that outgrew the whole KV budget)."""
         finished: list[Sequence] = []
-        batch = self._schedule_prefill() or self._schedule_decode(finished)
+        if self.mixed_steps:
+            batch = self._schedule_mixed(finished)
+        elif self._last_was_prefill and self.running:
+            batch = self._schedule_decode(finished) or self._schedule_prefill()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode(finished)
+        self._last_was_prefill = batch is not None and batch.is_prefill
         return batch, finished
+
+    def _schedule_mixed(self, finished: list[Sequence]) -> Batch | None:
+        decode = self._schedule_decode(finished)
+        if decode is None:
+            return self._schedule_prefill()
+        # decode rows ride on top of the prefill budget: chunks keep their size (and cuDNN its
+        # plans); a step holds at most max_num_seqs more tokens than the budget
+        prefill = self._schedule_prefill()
+        if prefill is None:
+            return decode
+        return Batch(True, decode.seqs + prefill.seqs,
+                     decode.num_new_tokens + prefill.num_new_tokens, len(decode.seqs))
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.max_num_batched_tokens

@@ -23,13 +23,14 @@ from offload import StepPlan, coalesce_runs
 class StepInputs:
     is_prefill: bool
     num_seqs: int  # real sequences; rows past them (decode) are padding
+    num_decode: int  # a mixed step's leading decode rows (prefill path); 0 otherwise
     samples: list[bool]  # on cpu, per sequence: this step yields its next token
     # on device
     input_ids: torch.Tensor  # int64 [tokens]
     positions: torch.Tensor  # int64 [tokens]
     slot_mapping: torch.Tensor  # int64 [tokens]: flat KV slot of each new token
     page_tables: torch.Tensor  # int32 [rows, width]
-    context_lens: torch.Tensor | None = None  # int32 [rows], decode
+    context_lens: torch.Tensor | None = None  # int32 [rows], decode (a mixed step's decode rows)
     sample_rows: torch.Tensor | None = None  # int64: hidden rows to take logits of (prefill)
     # on cpu
     query_lens: list[int] = field(default_factory=list)  # prefill
@@ -37,9 +38,17 @@ class StepInputs:
     offload: StepPlan | None = None  # what the streamer moves in this step
 
     def context(self) -> ForwardContext:
-        return ForwardContext(self.is_prefill, self.slot_mapping, self.page_tables,
-                              query_lens=self.query_lens, prefix_lens=self.prefix_lens,
-                              context_lens=self.context_lens)
+        ctx = ForwardContext(self.is_prefill, self.slot_mapping, self.page_tables,
+                             query_lens=self.query_lens, prefix_lens=self.prefix_lens,
+                             context_lens=self.context_lens)
+        if self.is_prefill and self.num_decode:
+            n = self.num_decode  # one token per decode row: tokens and sequences line up
+            ctx.parts = (
+                ForwardContext(False, self.slot_mapping[:n], self.page_tables[:n],
+                               context_lens=self.context_lens),
+                ForwardContext(True, self.slot_mapping[n:], self.page_tables[n:],
+                               query_lens=self.query_lens[n:], prefix_lens=self.prefix_lens[n:]))
+        return ctx
 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool
@@ -110,9 +119,14 @@ class StepInputBuilder:
                 if samples[-1] and end % ps:  # it decodes next: its last page becomes a tail
                     init_pages.append(s.pages[end // ps])
                     init_rows.append(self.tail_row(s))
+        if batch.num_decode and self.tail_row is not None:
+            raise ValueError("mixed steps need resident KV (a streamed sequence decodes from its "
+                             "tail row)")
+        decode_lens = [s.num_tokens for s in batch.seqs[:batch.num_decode]]
         arrays = {"ids": np.concatenate(ids), "pos": np.concatenate(pos),
                   "slots": np.concatenate(slots), "rows": np.array(rows, np.int64),
                   "table": self._page_table([s.pages for s in batch.seqs], len(batch.seqs)),
+                  "lens": np.array(decode_lens, np.int32),
                   "init_pages": np.array(init_pages, np.int64),
                   "init_rows": np.array(init_rows, np.int64)}
         t = upload(arrays, self.device, self.pin)
@@ -121,8 +135,9 @@ class StepInputBuilder:
             plan = StepPlan(load_runs=distinct_runs(load), store_runs=coalesce_runs(store))
             if init_pages:
                 plan.init_pages, plan.init_rows = t["init_pages"], t["init_rows"]
-        return StepInputs(True, len(batch.seqs), samples, t["ids"], t["pos"], t["slots"],
-                          t["table"], sample_rows=t["rows"], query_lens=list(batch.num_new_tokens),
+        return StepInputs(True, len(batch.seqs), batch.num_decode, samples, t["ids"], t["pos"],
+                          t["slots"], t["table"], context_lens=t["lens"], sample_rows=t["rows"],
+                          query_lens=list(batch.num_new_tokens),
                           prefix_lens=[s.num_cached for s in batch.seqs], offload=plan)
 
     def _decode(self, batch: Batch, rows: int) -> StepInputs:
@@ -153,5 +168,5 @@ class StepInputBuilder:
             plan = StepPlan(load_runs=distinct_runs(load), tail_pages=t["tail_pages"],
                             tail_rows=t["tail_rows"], flush_pages=flush_pages,
                             flush_rows=t["flush_rows"])
-        return StepInputs(False, n, [True] * n, t["ids"], t["pos"], t["slots"], t["table"],
+        return StepInputs(False, n, 0, [True] * n, t["ids"], t["pos"], t["slots"], t["table"],
                           context_lens=t["lens"], offload=plan)
