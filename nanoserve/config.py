@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.errors import is_finite_number
+from nanoserve.models.moe import MOE_BACKENDS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -28,7 +29,8 @@ class EngineConfig:
     from these fields (nanoserve/cli.py), bench_offload.py reads its defaults from them."""
 
     model: str = _field("", "Local model dir, Hugging Face hub id, or a shipped config name "
-                        "with dummy weights (Qwen3-8B, Qwen3-4B, Llama-3.1-8B, Qwen2.5-7B). "
+                        "with dummy weights (nanoserve/model_configs: Qwen3-8B, Qwen3-8B-YaRN, "
+                        "Qwen3-30B-A3B, Mistral-Nemo-12B, ...). "
                         "Default: the embedded tiny model.")
     dtype: str = _field("auto", "Weights, activations and KV cache; auto: bf16 on CUDA, fp32 on "
                         "CPU.", choices=("auto", *DTYPES, *DTYPE_ALIASES))
@@ -63,6 +65,12 @@ class EngineConfig:
                                        "(larger batches run eagerly).", min=1)
     attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "
                                     "triton; torch on CPU.", choices=ATTENTION_BACKENDS)
+    moe_backend: str = _field("auto", "How mixture-of-experts layers run their experts: "
+                              "grouped (sorted by expert, torch's grouped GEMM), gather "
+                              "(gathered weights, batched GEMV), loop (one expert at a time); "
+                              "auto: grouped on CUDA where torch's fast grouped GEMM takes the "
+                              "dtype, else gather for decode and loop for prefill; loop on CPU.",
+                              choices=MOE_BACKENDS)
     dummy_weights: bool = _field(False, "Random weights built on the device from the config "
                                  "alone.")
     seed: int = _field(0, "Seed of dummy weights, synthetic prompts and requests that bring no "
@@ -112,6 +120,7 @@ class EngineConfig:
         check(self.kv_cache_dtype != "fp8" or self.attention_backend != "flash",
               "kv_cache_dtype fp8: the flash attention backend reads no FP8 KV; use "
               "attention_backend triton or auto")
+        check(self.moe_backend in MOE_BACKENDS, f"moe_backend must be one of {MOE_BACKENDS}")
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check(dtype == "auto" or dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)

@@ -10,7 +10,12 @@ try:  # lets tests/test_needle.py and friends run as scripts on machines without
 except ImportError:  # pragma: no cover
     transformers = None
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_yarn", "mistral", "qwen3_moe")
+HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+              "qwen3_yarn": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
+# YaRN's original context is short, so that short prompts reach past it
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 # the GPU tests' model shape: 4 query heads per KV head, vocabulary and width for real kernels
@@ -32,13 +37,27 @@ def tiny_hf_config(arch: str, **overrides):
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         return transformers.LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
+    if arch == "qwen3_yarn":
+        common.setdefault("rope_scaling", YARN)
+        common["max_position_embeddings"] = min(common["max_position_embeddings"],
+                                                4 * common["rope_scaling"][
+                                                    "original_max_position_embeddings"])
+        return transformers.Qwen3Config(head_dim=16, **common)
+    if arch == "mistral":  # an explicit head_dim: q and o projections of 4 * 32 != 64 features
+        common.setdefault("head_dim", 2 * common["hidden_size"] // common["num_attention_heads"])
+        return transformers.MistralConfig(**{"sliding_window": None, **common})
+    if arch == "qwen3_moe":
+        # layer 1 keeps a dense MLP: both kinds of layer in one model
+        moe = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                   moe_intermediate_size=common["intermediate_size"] // 4, head_dim=16,
+                   mlp_only_layers=[1])
+        return transformers.Qwen3MoeConfig(**{**moe, **common})
     raise ValueError(arch)
 
 
 def make_hf_model(arch: str, path, seed: int = 0, **overrides):
     cfg = tiny_hf_config(arch, **overrides)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "llama": transformers.LlamaForCausalLM}[arch]
+    cls = getattr(transformers, HF_CLASSES[arch])
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if arch == "qwen2":  # random qkv biases, so the bias path is really checked

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_offload import hf_model_with_our_weights  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
 def test_hf_model_gets_nanoserves_dummy_weights(tmp_path, arch):
     make_hf_model(arch, tmp_path)
     ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -129,3 +129,23 @@ def test_bench_without_cuda_is_one_clear_line():
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr == (f"bench_offload.py: needs a CUDA GPU, and torch {torch.__version__} "
                         f"sees none\n")
+
+
+# --- floors of a mixture-of-experts model (issue 18) -------------------------------------------
+def test_moe_floors_count_the_weights_a_step_reads():
+    from bench_offload import prefill_flops, weight_bytes
+    from nanoserve.models.loader import resolve_model_dir
+    from nanoserve.models.sizes import expert_params, num_active_params, num_model_params
+
+    cfg = ModelConfig.from_dir(resolve_model_dir("Qwen3-30B-A3B", dummy_weights=True))
+    emb = cfg.vocab_size * cfg.hidden_size
+    # batch 1: the active parameters (k experts a layer, the whole router), less the embedding
+    assert weight_bytes(cfg, 2, 1) == 2 * (num_active_params(cfg) - emb)
+    # batch 32: 111.8 of 128 experts a layer (expected under uniform routing)
+    idle = 128 * (120 / 128) ** 32
+    assert weight_bytes(cfg, 2, 32) == pytest.approx(
+        2 * (num_model_params(cfg) - emb - 48 * idle * expert_params(cfg)))
+    assert prefill_flops(cfg, 1, 1) == 2 * (num_active_params(cfg) - 2 * emb) + \
+        2 * 48 * 32 * 128
+    dense = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
+    assert weight_bytes(dense, 2, 1) == weight_bytes(dense, 2, 64)

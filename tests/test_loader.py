@@ -11,7 +11,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from conftest import ARCHS, make_hf_model, tiny_hf_config
+from conftest import ARCHS, HF_CLASSES, make_hf_model, tiny_hf_config
 
 from nanoserve.models import loader
 from nanoserve.models.config import ModelConfig
@@ -27,7 +27,8 @@ from nanoserve.models.loader import (
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
-SHIPPED = ("Qwen3-8B", "Qwen3-4B", "Llama-3.1-8B", "Qwen2.5-7B")
+SHIPPED = ("Qwen3-8B", "Qwen3-4B", "Llama-3.1-8B", "Qwen2.5-7B", "Qwen3-8B-YaRN",
+           "Qwen3-30B-A3B", "Mistral-Nemo-12B")
 
 
 # --- hub ids -----------------------------------------------------------------------------------
@@ -101,8 +102,8 @@ def test_local_dir_without_config_json(tmp_path):
                             f"holds a Hugging Face config.json and weights)")
 
 
-SHIPPED_NOTE = ("shipped configs for --dummy-weights: ['Llama-3.1-8B', 'Qwen2.5-7B', "
-                "'Qwen3-4B', 'Qwen3-8B']")
+SHIPPED_NOTE = ("shipped configs for --dummy-weights: ['Llama-3.1-8B', 'Mistral-Nemo-12B', "
+                "'Qwen2.5-7B', 'Qwen3-30B-A3B', 'Qwen3-4B', 'Qwen3-8B', 'Qwen3-8B-YaRN']")
 
 
 @pytest.mark.parametrize("model, error, message", [
@@ -130,8 +131,7 @@ def test_nonsense_ids_are_clear_errors(monkeypatch, model, error, message):
 # --- does the model fit? ---------------------------------------------------------------------
 def _tiny_config(arch: str, tied: bool) -> ModelConfig:
     raw = tiny_hf_config(arch, tie_word_embeddings=tied).to_dict()
-    raw["architectures"] = [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "llama": "LlamaForCausalLM"}[arch]]
+    raw["architectures"] = [HF_CLASSES[arch]]
     return ModelConfig.from_dict(raw)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8|models|moe]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -74,6 +74,13 @@ for w in $what; do
         | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
         --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
+    models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
+              | grep -v "it/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
+    moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
+      run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
+      run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \
+        --batch-size 1,32 --resident-graph --offload-graph --out "$OUT/moe" 2>&1 \
+        | grep -v "it/s\]" | tail -16 ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice
       run python3 tools/profile_sampler.py --profile none 2>&1 | tee "$OUT/sampler.log"
       for i in 1 2; do

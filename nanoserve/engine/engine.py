@@ -48,6 +48,7 @@ class LLMEngine:
             log.warning("max_model_len %d > max_position_embeddings %d: allowed with dummy "
                         "weights, for benchmarking the shape", cfg.max_model_len, max_pos)
         self.max_model_len = cfg.max_model_len or max_pos
+        self.model_config.check_max_model_len(self.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
                            cfg.torch_device, cfg.dummy_weights, cfg.seed, progress)

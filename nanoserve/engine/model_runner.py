@@ -45,6 +45,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = max_model_len
         fused.set_enabled(cfg.enable_fusion)
+        model.set_moe_backend(cfg.moe_backend)
         kv_dtype = cfg.torch_kv_dtype
         self.backend = select_backend(cfg.attention_backend, self.device, kv_dtype == self.dtype)
         self.backend.configure(self.mcfg.num_kv_heads, max_model_len)

@@ -1,6 +1,9 @@
-"""One decoder for Qwen3 (q/k RMSNorm), Qwen2/2.5 (qkv bias) and Llama 3 (llama3 RoPE scaling).
+"""One decoder for every family in models/registry.py: Qwen3 (q/k RMSNorm), Qwen2/2.5 (qkv
+bias), Llama 3 and Mistral, Qwen3-MoE (sparse MLP layers); RoPE scaling (llama3, YaRN) lives in
+the rotary table.
 
-Module names follow the Hugging Face checkpoints, except the fused `qkv_proj` and `gate_up_proj`.
+Module names follow the Hugging Face checkpoints, except the fused `qkv_proj` and `gate_up_proj`
+and the stacked experts (models/moe.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from nanoserve.models.layers import (
     qk_norm_rope,
     silu_and_mul,
 )
+from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 
 
 class Attention(nn.Module):
@@ -80,7 +84,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if layer_id not in cfg.moe_layers else SparseMoE(
+            cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size, cfg.norm_topk_prob)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(
@@ -110,6 +116,14 @@ class CausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def set_moe_backend(self, backend: str) -> None:
+        """How the sparse MLP layers run their experts (models/moe.py); no-op without them."""
+        if backend not in MOE_BACKENDS:
+            raise ValueError(f"unknown MoE backend {backend!r} (one of {MOE_BACKENDS})")
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.backend = backend
 
     # The step executor composes a step from these three: embed, layers, head.
     @property

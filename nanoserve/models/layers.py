@@ -5,13 +5,12 @@ results rounded to the activation dtype where transformers rounds them."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.fused import fused
+from nanoserve.models.rope import inv_freq_and_attention_factor
 
 
 @fused
@@ -83,18 +82,6 @@ class MergedLinear(nn.Linear):
         return slice(start, start + self.shard_sizes[shard])
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a cos/sin table computed in fp32 up to max_len."""
 
@@ -107,13 +94,13 @@ class RotaryEmbedding(nn.Module):
     def build(self) -> None:
         """Fill the table; called after the module is materialized off the meta device."""
         dev = self.cos_sin.device
-        exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=dev).float()
-        inv_freq = 1.0 / (self.theta ** (exps / self.head_dim))
-        if self.scaling is not None:
-            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+        inv_freq, factor = inv_freq_and_attention_factor(self.head_dim, self.theta, self.scaling,
+                                                         dev)
         t = torch.arange(self.max_len, device=dev, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # YaRN's attention factor scales cos and sin, hence q.k by its square (transformers)
+        self.cos_sin = cos_sin * factor if factor != 1.0 else cos_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return rope(q, k, self.cos_sin, positions)

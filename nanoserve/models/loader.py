@@ -10,19 +10,15 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from nanoserve.models.checkpoint import checkpoint_target, covered, destination, pieces
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
-from nanoserve.models.layers import MergedLinear
+from nanoserve.models.sizes import num_model_params
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 SHIPPED_CONFIGS = PACKAGE_DIR / "model_configs"
 EMBEDDED_MODEL = PACKAGE_DIR / "assets" / "tiny-qwen3"
 
-# checkpoint name part -> (fused module name, shard index)
-FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 HUB_CONFIG_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -107,19 +103,6 @@ def resolve_model_dir(model: str | None, dummy_weights: bool = False) -> Path:
                                 f"{_one_line(e)}") from e
 
 
-def num_model_params(cfg: ModelConfig) -> int:
-    """Parameters of the model nanoserve builds for `cfg` (biases and q/k norms included)."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    layer = (h * qkv_out + (qkv_out if cfg.qkv_bias else 0)  # qkv_proj
-             + cfg.num_heads * d * h  # o_proj
-             + (2 * d if cfg.qk_norm else 0)  # q_norm, k_norm
-             + 2 * h * i + i * h  # gate_up_proj, down_proj
-             + 2 * h)  # input and post-attention norms
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * layer + embeddings + h  # + the final norm
-
-
 def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0) -> int:
     """Bytes of the built model: weights in `dtype` plus the fp32 RoPE table of `max_len`."""
     return num_model_params(cfg) * dtype.itemsize + max_len * cfg.head_dim * 4
@@ -198,47 +181,26 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
-                target, shard = _target(name)
-                if target not in params:
+                target = checkpoint_target(name)
+                if target.param not in params:
                     raise KeyError(f"checkpoint tensor {name} has no place in the model")
-                param = params[target]
-                tensor = f.get_tensor(name)
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    module = modules[target.rsplit(".", 1)[0]]
-                    assert isinstance(module, MergedLinear)
-                    param[module.shard_slice(shard)].copy_(tensor)
-                filled.add(f"{target}#{shard}")
-    expected = _expected_keys(model)
-    missing = sorted(expected - filled)
+                destination(params, modules, target).copy_(f.get_tensor(name))
+                filled |= covered(target, _owner(modules, target.param))
+    missing = sorted(_expected_keys(model) - filled)
     if missing:
         raise KeyError(
             f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in FUSED_SHARDS:
-            fused, shard = FUSED_SHARDS[part]
-            parts[i] = fused
-            return ".".join(parts), shard
-    return name, None
+def _owner(modules: dict, param: str):
+    return modules[param.rsplit(".", 1)[0]]
 
 
 def _expected_keys(model: CausalLM) -> set[str]:
-    keys = set()
     modules = dict(model.named_modules())
-    for name, _ in model.named_parameters():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        module = modules[name.rsplit(".", 1)[0]]
-        if isinstance(module, MergedLinear):
-            keys.update(f"{name}#{s}" for s in range(len(module.shard_sizes)))
-        else:
-            keys.add(f"{name}#None")
-    return keys
+    return {p.key for name, _ in model.named_parameters()
+            if not (name == "lm_head.weight" and model.config.tie_word_embeddings)
+            for p in pieces(name, _owner(modules, name))}
 
 
 @torch.no_grad()

@@ -1,0 +1,151 @@
+"""Qwen3-MoE's sparse MLP: a router picks the top k of E SwiGLU experts for each token, and
+the token's output is their outputs weighted by the router's probabilities.
+
+The experts are stacked at load time, in transformers' own in-memory layout: gate_up_proj
+[E, 2I, H] (an expert's gate rows, then its up rows) and down_proj [E, H, I].
+
+Three ways to run the experts (`backend`; results equal up to rounding, tested on CPU):
+- loop: each expert that has tokens runs them through its MLP, index_add into the output
+  (transformers' eager path, the reference). It syncs with the host (which experts have
+  tokens), so it cannot be captured: the CPU runs it.
+- grouped: the (token, expert) pairs sorted by expert, then two grouped GEMMs
+  (torch's grouped_mm) over the stacked weights. Static shapes, no host sync, no copy of the
+  weights: each expert with tokens is read once (k experts a layer at batch 1). The CUDA
+  path wherever torch's fast grouped GEMM exists (bf16 on Hopper / Blackwell), prefill and
+  decode graphs alike.
+- gather: each (token, slot) pair gathers its expert's weights and runs a batched GEMV.
+  Static shapes, no host sync, but the gather copies the weights (read, write, read again:
+  ~3x the bytes of grouped at batch 1, and T*k experts' worth of scratch): the capturable
+  fallback for decode-sized batches on a GPU without the fast grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.models.layers import silu_and_mul
+
+MOE_BACKENDS = ("auto", "loop", "grouped", "gather")
+GATHER_MAX_TOKENS = 64  # auto without the fast grouped GEMM: gather up to here, loop beyond
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts' weights, stacked; the loader copies checkpoint expert e's gate_proj,
+    up_proj and down_proj into their rows of expert e."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.shard_sizes = [intermediate_size, intermediate_size]  # gate_up_proj rows: gate, up
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def shard_slice(self, shard: int) -> slice:
+        size = self.shard_sizes[0]
+        return slice(shard * size, (shard + 1) * size)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.backend = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        run = EXPERT_PATHS[choose_path(self.backend, x)]
+        return run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in x's dtype, expert ids [T, k]): softmax over the experts in fp32, the
+    top k, renormalized to sum 1 when norm_topk_prob, rounded to x's dtype (transformers)."""
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def choose_path(backend: str, x: torch.Tensor) -> str:
+    """The path `backend` runs for the tokens x (see the module's docstring)."""
+    if backend != "auto":
+        return backend
+    if not x.is_cuda:
+        return "loop"
+    if fast_grouped_mm(x.device, x.dtype):
+        return "grouped"
+    if x.shape[0] <= GATHER_MAX_TOKENS or torch.cuda.is_current_stream_capturing():
+        return "gather"
+    return "loop"
+
+
+def fast_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs on `device` in `dtype` from device-side offsets (its
+    CUTLASS kernels: bf16 on sm90 / sm100). Elsewhere on CUDA it loops over the groups on the
+    host, which a CUDA graph cannot capture."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and \
+        _grouped_mm_fn() is not None and _capability(device.index)[0] in (9, 10)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _grouped_mm_fn():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _combine(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs (rows in token, slot order) weighted and summed: one
+    batched GEMM, accumulated in fp32 and rounded once."""
+    t, k = weights.shape
+    return torch.bmm(weights.view(t, 1, k), out.view(t, k, -1)).view(t, -1)
+
+
+def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    hits = F.one_hot(ids, gate_up.shape[0]).permute(2, 1, 0)  # [E, k, T]
+    for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():  # host sync
+        slot, token = torch.where(hits[e])
+        h = F.linear(silu_and_mul(F.linear(x[token], gate_up[e])), down[e])
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    k = ids.shape[1]
+    expert_of_row, order = torch.sort(ids.flatten(), stable=True)
+    # ends[e]: rows of experts 0..e, the grouped GEMM's offsets (device-side: no host sync)
+    experts = torch.arange(gate_up.shape[0], device=x.device)
+    ends = torch.searchsorted(expert_of_row, experts, right=True).to(torch.int32)
+    grouped_mm = _grouped_mm_fn()
+    h = grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=ends)
+    h = grouped_mm(silu_and_mul(h), down.transpose(1, 2), offs=ends)
+    unsorted = torch.empty_like(h).index_copy_(0, order, h)  # a permutation: deterministic
+    return _combine(unsorted, weights)
+
+
+def experts_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    flat = ids.flatten()
+    rows = x.repeat_interleave(ids.shape[1], dim=0)  # token, slot order
+    h = torch.bmm(gate_up[flat], rows.unsqueeze(-1)).squeeze(-1)
+    h = torch.bmm(down[flat], silu_and_mul(h).unsqueeze(-1)).squeeze(-1)
+    return _combine(h, weights)
+
+
+EXPERT_PATHS = {"loop": experts_loop, "grouped": experts_grouped, "gather": experts_gather}
