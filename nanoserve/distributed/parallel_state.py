@@ -1,0 +1,57 @@
+"""Tensor parallelism's per-process state: this process's rank, the group's size, and the one
+collective the model's layers need (an all-reduce of partial sums).
+
+At TP=1 (the default) torch.distributed is never touched: `all_reduce` returns its input.
+Under TP every rank runs the same layers on its shard of the weights and of the KV heads;
+column-parallel projections need no communication, row-parallel ones sum their partial
+outputs with `all_reduce`, inside the decode graphs too (NCCL calls capture into CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_rank, _size = 0, 1
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def tp_size() -> int:
+    return _size
+
+
+def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    """Joins this process to the tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
+    global _rank, _size
+    if size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                **kwargs)
+    _rank, _size = rank, size
+
+
+def destroy_tp() -> None:
+    global _rank, _size
+    if _size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _rank, _size = 0, 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks, in place; `x` itself at TP=1."""
+    if _size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def shard(n: int, what: str = "size") -> tuple[int, int]:
+    """(start, length) of this rank's equal share of `n` (a head count, a row count);
+    ValueError when `n` does not divide by the TP size."""
+    if n % _size:
+        raise ValueError(f"tensor parallel size {_size} does not divide {what} {n}")
+    length = n // _size
+    return _rank * length, length
