@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8|models|moe]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8|fp8bench|tune|
+#                         models|moe]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -67,13 +68,16 @@ for w in $what; do
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
         run python3 tests/test_needle.py --input-len 32768 --kv-cache-dtype fp8 $m 2>&1 | tail -15 \
           | tee -a "$OUT/needle_fp8.log"
-      done
+      done ;;
+    fp8bench)  # issue 13's targets: 32K and 128K streamed and resident, bf16 128K, 512K
       run $B --input-len 32768,131072 --bench-all --kv-cache-dtype fp8 --out "$OUT/fp8" 2>&1 \
         | grep -v "it/s\]" | tail -14
       run $B --input-len 131072 --resident-graph --out "$OUT/bf16-128k" 2>&1 \
         | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
         --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
+    tune)  # the decode kernel's tiles for bf16 and FP8 KV (nanoserve/attention/triton_decode.py)
+      run python3 tools/tune_decode.py 2>&1 | tee "$OUT/tune_decode.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v "it/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32

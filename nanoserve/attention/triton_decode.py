@@ -14,11 +14,24 @@ subnormals for tokens of negligible weight.)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
+BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
+
+
+class Tiles(NamedTuple):
+    """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# per stored KV dtype; tools/tune_decode.py measures the candidates on a GPU
+TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(64, 4, 2)}
 
 
 @triton.jit
@@ -131,7 +144,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           tiles: Tiles | None = None) -> torch.Tensor:
     """q: [batch, heads, d]; caches: [pages, page_size, kv_heads, d]; page_tables: [batch, n]
     int32; context_lens: [batch] int32 (>= 1 for every row); FP8 caches come with their scales
     [pages, page_size, kv_heads] (K's and V's share strides). Returns [batch, heads, d]."""
@@ -140,6 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     scaled = k_scale is not None
+    tiles = tiles or TILES["fp8" if scaled else "default"]
     if scaled:
         assert k_scale.stride() == v_scale.stride()
     else:  # never read: the unscaled kernel has no scale loads
@@ -161,8 +176,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-        PRECISION=precision, SCALED=scaled, num_warps=4, num_stages=2,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        PRECISION=precision, SCALED=scaled, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, out,

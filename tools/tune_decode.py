@@ -1,0 +1,78 @@
+"""The Triton decode kernel's tile settings, measured: for bf16 and FP8 KV, each candidate
+(tokens per tile, warps, stages, splits x1 / x2) at several batch shapes, as achieved KV read
+bandwidth (values and scales) and its ratio to the device-memory floor. Usage (GPU):
+    python tools/tune_decode.py [--shapes 1x32768,4x32768,64x512,1x131072] [--hbm-gbs 4229]
+Prints the best setting per (dtype, shape) and the current default's time beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from nanoserve.attention.triton_decode import TILES, Tiles, num_splits_for, paged_decode_attention
+from nanoserve.kv.fp8 import FP8
+from nanoserve.kv.spec import KVSpec
+
+HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 256  # the Qwen3-8B shape
+
+
+def case(batch: int, ctx: int, dtype: torch.dtype, dev: torch.device):
+    spec = KVSpec(1, PAGE, KV_HEADS, D, dtype)
+    pages_per_seq = -(-ctx // PAGE)
+    kv = spec.empty(1, batch * pages_per_seq + 1, dev)[0]
+    k, v, ks, vs = spec.views(kv)
+    for values in (k, v):
+        values.copy_(torch.randn(values.shape, device=dev).to(dtype))
+    if ks is not None:
+        ks.uniform_(0.001, 0.01)
+        vs.uniform_(0.001, 0.01)
+    perm = torch.randperm(batch * pages_per_seq, device=dev) + 1  # scattered pages
+    table = perm.view(batch, pages_per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
+    kv_bytes = batch * ctx * spec.layer_token_bytes
+    return q, k, v, ks, vs, table, lens, kv_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x32768,4x32768,64x512,1x131072")
+    ap.add_argument("--hbm-gbs", type=float, default=4229.0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    candidates = [Tiles(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8),
+                                                                   (2, 3, 4))]
+    for dtype, name in ((torch.bfloat16, "default"), (FP8, "fp8")):
+        for shape in args.shapes.split(","):
+            batch, ctx = map(int, shape.split("x"))
+            q, k, v, ks, vs, table, lens, nbytes = case(batch, ctx, dtype, dev)
+            base = num_splits_for(batch, KV_HEADS, ctx, sms)
+            floor_us = nbytes / args.hbm_gbs / 1e3
+            results = []
+            for tiles, mult in itertools.product(candidates, (1, 2)):
+                splits = min(base * mult, triton.cdiv(ctx, tiles.block_n))
+                try:
+                    us = 1e3 * triton.testing.do_bench(lambda: paged_decode_attention(  # noqa: B023
+                        q, k, v, table, lens, D**-0.5, splits, k_scale=ks, v_scale=vs,  # noqa: B023
+                        tiles=tiles), warmup=5, rep=30)  # noqa: B023
+                except Exception as e:  # a setting the compiler refuses (shared memory)
+                    print(f"  {tiles} x{mult}: {type(e).__name__}")
+                    continue
+                results.append((us, tiles, mult))
+            results.sort(key=lambda r: r[0])
+            default = next(r for r in results if r[1] == TILES[name] and r[2] == 1)
+            best = results[0]
+            print(f"{name:7s} {shape:>9s} floor {floor_us:7.1f} us | default {default[1]} "
+                  f"{default[0]:7.1f} us ({default[0] / floor_us:.2f}x) | best {best[1]} "
+                  f"splits x{best[2]} {best[0]:7.1f} us ({best[0] / floor_us:.2f}x)")
+            for us, tiles, mult in results[1:4]:
+                print(f"{'':18s} next {tiles} x{mult} {us:7.1f} us ({us / floor_us:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
