@@ -82,6 +82,46 @@ def distinct_runs(pages: list[int]) -> list[tuple[int, int]]:
     return coalesce_runs(sorted(set(pages)))
 
 
+@dataclass
+class HostStep:
+    """A step's inputs on the host, before upload: plain arrays and lists, picklable, so that
+    under tensor parallelism rank 0 builds a step once and every rank uploads the same one."""
+    is_prefill: bool
+    num_seqs: int
+    num_decode: int
+    samples: list[bool]
+    arrays: dict[str, np.ndarray]
+    query_lens: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    streamed: bool = False  # layers stream: the arrays carry an offload plan
+    load_runs: list[tuple[int, int]] = field(default_factory=list)
+    store_runs: list[tuple[int, int]] = field(default_factory=list)
+    flush_pages: list[int] = field(default_factory=list)
+
+    def to_device(self, device: torch.device, pin: bool,
+                  in_flight: InFlightTokens | None = None) -> StepInputs:
+        """in_flight: the tokens of the step launched before this one, not yet read back; a
+        decode row whose sequence waits for one takes it as its input id on the device."""
+        t = upload(self.arrays, device, pin)
+        if in_flight is not None:
+            src = t["from_step"]
+            t["ids"] = torch.where(src >= 0, in_flight.tokens[src.clamp(min=0)], t["ids"])
+        plan = None
+        if self.streamed and self.is_prefill:
+            plan = StepPlan(load_runs=self.load_runs, store_runs=self.store_runs)
+            if len(self.arrays["init_pages"]):
+                plan.init_pages, plan.init_rows = t["init_pages"], t["init_rows"]
+        elif self.streamed:
+            plan = StepPlan(load_runs=self.load_runs, tail_pages=t["tail_pages"],
+                            tail_rows=t["tail_rows"], flush_pages=self.flush_pages,
+                            flush_rows=t["flush_rows"])
+        return StepInputs(self.is_prefill, self.num_seqs, self.num_decode, self.samples,
+                          t["ids"], t["pos"], t["slots"], t["table"], context_lens=t["lens"],
+                          sample_rows=t["rows"] if self.is_prefill else None,
+                          query_lens=self.query_lens, prefix_lens=self.prefix_lens,
+                          offload=plan)
+
+
 class StepInputBuilder:
     def __init__(self, page_size: int, device: torch.device,
                  tail_row: Callable[[object], int] | None = None) -> None:
@@ -101,14 +141,19 @@ class StepInputBuilder:
 
     def build(self, batch: Batch, pad_to: int | None = None,
               in_flight: InFlightTokens | None = None) -> StepInputs:
-        """pad_to: decode rows to pad to (a captured graph's size). in_flight: the tokens of
-        the step launched before this one, not yet read back; a decode row whose sequence
-        waits for one takes it as its input id on the device."""
+        """The step's inputs on the device: `plan`, then its upload."""
+        rows = in_flight.rows if in_flight is not None else None
+        return self.plan(batch, pad_to, rows).to_device(self.device, self.pin, in_flight)
+
+    def plan(self, batch: Batch, pad_to: int | None = None,
+             in_flight_rows: dict[int, int] | None = None) -> HostStep:
+        """pad_to: decode rows to pad to (a captured graph's size). in_flight_rows: seq_id ->
+        row of the launched step's tokens, for the sequences that wait for one."""
         if batch.is_prefill:
             return self._prefill(batch)
-        return self._decode(batch, pad_to or len(batch.seqs), in_flight)
+        return self._decode(batch, pad_to or len(batch.seqs), in_flight_rows or {})
 
-    def _prefill(self, batch: Batch) -> StepInputs:
+    def _prefill(self, batch: Batch) -> HostStep:
         ps = self.page_size
         ids, pos, slots, rows, samples = [], [], [], [], []
         load, store, init_pages, init_rows = [], [], [], []
@@ -139,31 +184,26 @@ class StepInputBuilder:
                   "lens": np.array(decode_lens, np.int32),
                   "init_pages": np.array(init_pages, np.int64),
                   "init_rows": np.array(init_rows, np.int64)}
-        t = upload(arrays, self.device, self.pin)
-        plan = None
-        if self.tail_row is not None:
-            plan = StepPlan(load_runs=distinct_runs(load), store_runs=coalesce_runs(store))
-            if init_pages:
-                plan.init_pages, plan.init_rows = t["init_pages"], t["init_rows"]
-        return StepInputs(True, len(batch.seqs), batch.num_decode, samples, t["ids"], t["pos"],
-                          t["slots"], t["table"], context_lens=t["lens"], sample_rows=t["rows"],
-                          query_lens=list(batch.num_new_tokens),
-                          prefix_lens=[s.num_cached for s in batch.seqs], offload=plan)
+        streamed = self.tail_row is not None
+        return HostStep(True, len(batch.seqs), batch.num_decode, samples, arrays,
+                        list(batch.num_new_tokens), [s.num_cached for s in batch.seqs],
+                        streamed, distinct_runs(load) if streamed else [],
+                        coalesce_runs(store) if streamed else [])
 
-    def _decode(self, batch: Batch, rows: int, in_flight: InFlightTokens | None) -> StepInputs:
+    def _decode(self, batch: Batch, rows: int, in_flight_rows: dict[int, int]) -> HostStep:
         ps, n = self.page_size, len(batch.seqs)
         ids = np.zeros(rows, np.int64)
         pos = np.zeros(rows, np.int64)
         slots = np.full(rows, DUMMY_PAGE * ps, np.int64)
         lens = np.ones(rows, np.int32)
-        from_step = np.full(rows, -1, np.int64)  # row of in_flight.tokens, or -1: ids[i]
+        from_step = np.full(rows, -1, np.int64)  # row of the in-flight tokens, or -1: ids[i]
         load, tail_pages, tail_rows, flush_pages, flush_rows = [], [], [], [], []
         for i, s in enumerate(batch.seqs):
             p = s.num_tokens - 1 + s.num_pending  # the token this step writes
             if s.num_pending:
                 if self.tail_row is not None:
                     raise ValueError("async scheduling needs resident KV")
-                from_step[i] = in_flight.rows[s.seq_id]
+                from_step[i] = in_flight_rows[s.seq_id]
             else:
                 ids[i] = s.token_ids[-1]
             pos[i], slots[i], lens[i] = p, self._slot(s.pages, p), p + 1
@@ -179,14 +219,7 @@ class StepInputBuilder:
                   "tail_pages": np.array(tail_pages, np.int64),
                   "tail_rows": np.array(tail_rows, np.int64),
                   "flush_rows": np.array(flush_rows, np.int64)}
-        t = upload(arrays, self.device, self.pin)
-        if in_flight is not None:
-            src = t["from_step"]
-            t["ids"] = torch.where(src >= 0, in_flight.tokens[src.clamp(min=0)], t["ids"])
-        plan = None
-        if self.tail_row is not None:
-            plan = StepPlan(load_runs=distinct_runs(load), tail_pages=t["tail_pages"],
-                            tail_rows=t["tail_rows"], flush_pages=flush_pages,
-                            flush_rows=t["flush_rows"])
-        return StepInputs(False, n, 0, [True] * n, t["ids"], t["pos"], t["slots"], t["table"],
-                          context_lens=t["lens"], offload=plan)
+        streamed = self.tail_row is not None
+        return HostStep(False, n, 0, [True] * n, arrays, streamed=streamed,
+                        load_runs=distinct_runs(load) if streamed else [],
+                        flush_pages=flush_pages)
