@@ -13,6 +13,7 @@ from typing import NoReturn
 import click
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.workers import TensorParallelFailure
 from nanoserve.sampling_params import SamplingParams
 
 DEMO_INPUT_LEN = 1024  # generate with neither --prompt nor --input-len: a needle prompt this long
@@ -130,7 +131,7 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     try:
         model_dir = resolve_model_dir(cfg.model, cfg.dummy_weights)
         model_max = ModelConfig.from_dir(model_dir).max_position_embeddings
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, TensorParallelFailure) as e:
         fail(e)
     demo = prompt is None and input_len is None
     if limit is None:
@@ -147,7 +148,7 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     cfg = dataclasses.replace(cfg, model=str(model_dir))  # resolved once: no second hub call
     try:
         llm = LLM.from_config(cfg)
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, TensorParallelFailure) as e:
         fail(e)
     engine = llm.engine
     needles, why_random = [], ""
@@ -289,7 +290,7 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
         raise click.UsageError(str(e)) from e
     try:
         llm = LLM.from_config(cfg)
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, TensorParallelFailure) as e:
         fail(e)
     engine = llm.engine
     name = served_model_name or kw["model"] or engine.model_dir.name

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.distributed.parallel_state import tp_rank, tp_size
 from nanoserve.errors import is_finite_number
 from nanoserve.models.moe import MOE_BACKENDS
 
@@ -53,6 +54,11 @@ class EngineConfig:
     gpu_kv_budget_gib: float | None = _field(
         None, "GiB of device memory for the KV cache (emulates a smaller GPU). Default: what "
         "the gpu memory utilization leaves after a warm-up.", min=0, name="gpu-kv-budget")
+    tensor_parallel_size: int = _field(1, "GPUs the model is split over, one process each "
+                                       "(tensor parallelism: each GPU holds its share of the "
+                                       "weights and of the KV heads, and streams its share of "
+                                       "offloaded KV over its own link).", min=1,
+                                       name="tensor-parallel-size")
     enforce_eager: bool = _field(False, "Turn CUDA graphs off.")
     enable_fusion: bool = _field(True, "On CUDA, fuse the elementwise work between the GEMMs "
                                  "(norms, RoPE, SiLU, residual adds) into one kernel each with "
@@ -112,6 +118,8 @@ class EngineConfig:
         check(self.num_kv_buffers >= 2, "num_kv_buffers must be >= 2 (one loading, one computing)")
         check(self.resident_layers is None or self.resident_layers >= 0,
               "resident_layers must be >= 0")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size must be an integer >= 1")
         check(self.max_graph_batch_size >= 1, "max_graph_batch_size must be >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}")
@@ -134,12 +142,25 @@ class EngineConfig:
             index = int(self.device.partition(":")[2] or 0)
             check(index < torch.cuda.device_count(),
                   f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices")
+        if self.tensor_parallel_size > 1:
+            check(self.device in ("auto", "cpu", "cuda"),
+                  f"tensor_parallel_size {self.tensor_parallel_size} runs on devices 0.."
+                  f"{self.tensor_parallel_size - 1}; device {self.device!r} names one: pick the "
+                  f"GPUs with CUDA_VISIBLE_DEVICES instead")
+            if self.torch_device.type == "cuda":
+                check(self.tensor_parallel_size <= torch.cuda.device_count(),
+                      f"tensor_parallel_size {self.tensor_parallel_size} exceeds the "
+                      f"{torch.cuda.device_count()} visible CUDA devices")
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """This process's device: under tensor parallelism, rank r runs on cuda:r."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and tp_size() > 1:
+            return torch.device("cuda", tp_rank())
+        return torch.device(device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
@@ -17,14 +18,33 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """An engine in this process (and, with tensor_parallel_size > 1, its worker processes,
+    stopped by `shutdown()`, at the end of a `with` block, when the LLM is collected, or at
+    exit)."""
+
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model or "", **kwargs), progress)
+        self._start(LLMEngine(EngineConfig(model=model or "", **kwargs), progress))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(cfg, progress)
+        llm._start(LLMEngine(cfg, progress))
         return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); the LLM cannot generate
+        afterwards. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

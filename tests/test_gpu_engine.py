@@ -75,9 +75,9 @@ def test_graph_logits_equal_eager_logits(gpu_model):
         batch = Batch(False, seqs, [1] * n)
         for s in seqs:  # room for the decode token
             assert llm.engine.kv.grow(s, s.num_tokens)
-        graph_logits = runner.forward(batch, runner.inputs.build(batch, n)).clone()
+        graph_logits = runner.forward(runner.inputs.build(batch, n)).clone()
         saved, runner.graphs = runner.graphs, None
-        eager_logits = runner.forward(batch, runner.inputs.build(batch))
+        eager_logits = runner.forward(runner.inputs.build(batch))
         runner.graphs = saved
         diff = (graph_logits - eager_logits).abs().max().item()
         assert diff < 2e-2 * eager_logits.abs().max().item(), (n, diff)

@@ -142,9 +142,9 @@ def decode_logits(llm: LLM, prompts, steps: int = 5) -> torch.Tensor:
     captured = []
     original = runner.forward
 
-    def recording(batch, inputs):
-        logits = original(batch, inputs)
-        if not batch.is_prefill:
+    def recording(inputs):
+        logits = original(inputs)
+        if not inputs.is_prefill:
             captured.append(logits.clone())
         return logits
 

@@ -57,9 +57,9 @@ def test_offload_decode_logits_are_bitwise_equal_to_resident(model_dir, eager):
         captured = []
         original = runner.forward
 
-        def recording(batch, inputs, f=original, out=captured):
-            logits = f(batch, inputs)
-            if not batch.is_prefill:
+        def recording(inputs, f=original, out=captured):
+            logits = f(inputs)
+            if not inputs.is_prefill:
                 out.append(logits.clone())
             return logits
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 _rank, _size = 0, 1
+_device = torch.device("cpu")  # where this rank's collectives run (NCCL: its GPU)
 
 
 def tp_rank() -> int:
@@ -25,13 +26,13 @@ def tp_size() -> int:
 
 def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> None:
     """Joins this process to the tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
-    global _rank, _size
+    global _rank, _size, _device
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 **kwargs)
-    _rank, _size = rank, size
+    _rank, _size, _device = rank, size, device
 
 
 def destroy_tp() -> None:
@@ -39,6 +40,17 @@ def destroy_tp() -> None:
     if _size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _rank, _size = 0, 1
+_device = torch.device("cpu")  # where this rank's collectives run (NCCL: its GPU)
+
+
+def abort_tp() -> None:
+    """Aborts the group's communicators (another rank died): a collective blocked on the dead
+    rank raises instead of waiting forever. Best effort; the group is unusable afterwards."""
+    if _size > 1 and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - nothing better to do on the way down
+            pass
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +58,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _size > 1:
         dist.all_reduce(x)
     return x
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every rank's `value`: one figure (a memory budget) all ranks share."""
+    if _size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def shard(n: int, what: str = "size") -> tuple[int, int]:

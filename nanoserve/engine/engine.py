@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.parallel_state import destroy_tp, init_tp
+from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers, rank_device
 from nanoserve.engine.model_runner import LaunchedStep, ModelRunner
 from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Batch, Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.kv.manager import default_host_budget_gib
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model, resolve_model_dir
 from nanoserve.sampling_params import InvalidParameter, SamplingParams
@@ -21,9 +25,18 @@ log = logging.getLogger("nanoserve")
 
 
 def is_device_failure(e: BaseException) -> bool:
-    """Errors that leave the device unusable for every request, not just the step's own."""
+    """Errors that leave the device (or the tensor-parallel group) unusable for every request,
+    not just the step's own."""
     accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(e, accelerator_error) or "CUDA error" in str(e)
+    return isinstance(e, (accelerator_error, TensorParallelFailure)) or "CUDA error" in str(e)
+
+
+def check_tensor_parallel(mcfg: ModelConfig, size: int) -> None:
+    """Refuses, before any process starts, a TP size the model's heads do not divide by."""
+    for what, n in (("attention heads", mcfg.num_heads), ("kv heads", mcfg.num_kv_heads)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {n} "
+                             f"{what}: each rank holds an equal share of them")
 
 
 def load_tokenizer(model_dir: Path):
@@ -50,9 +63,12 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or max_pos
         self.model_config.check_max_model_len(self.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
-        model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
-                           cfg.torch_device, cfg.dummy_weights, cfg.seed, progress)
-        self.runner = ModelRunner(cfg, model, self.max_model_len, progress)
+        self.workers: TPWorkers | None = None
+        try:
+            self.runner = self._start_runner(progress)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv = self.runner.kv
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -67,6 +83,36 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         self._launched: LaunchedStep | None = None  # async scheduling: the step in flight
+
+    def _start_runner(self, progress: bool) -> ModelRunner:
+        """This process's model runner; under tensor parallelism, first the workers (ranks
+        1..N-1, building theirs at the same time) and this process's place in the group."""
+        cfg = self.cfg
+        if cfg.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+            if cfg.enable_offload and cfg.host_kv_budget_gib is None:  # one figure for all
+                cfg = self.cfg = replace(cfg, host_kv_budget_gib=default_host_budget_gib())
+            self.workers = TPWorkers(cfg, self.model_dir, self.max_model_len)
+            init_tp(0, cfg.tensor_parallel_size, self.workers.init_method,
+                    rank_device(cfg.torch_device, 0))
+        model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,
+                           cfg.torch_device, cfg.dummy_weights, cfg.seed, progress)
+        runner = ModelRunner(cfg, model, self.max_model_len, progress, self.workers)
+        if self.workers is not None:
+            self.workers.wait_ready()
+        return runner
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run steps any more (a tensor-parallel rank died), or None."""
+        return self.workers.failure if self.workers is not None else None
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any, and leaves the group. Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            destroy_tp()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; InvalidParameter("prompt") otherwise."""
@@ -128,6 +174,8 @@ class LLMEngine:
         is discarded when it is read (Scheduler.postprocess skips finished sequences), and the
         KV it writes lands in pages just freed, which the stream's order keeps from any later
         owner until it is done."""
+        if self.workers is not None:
+            self.workers.check()
         ahead = self._can_launch_ahead()
         finished = [] if ahead else self._collect_launched()
         batch, dropped = self.scheduler.schedule()
@@ -155,8 +203,9 @@ class LLMEngine:
     def _can_launch_ahead(self) -> bool:
         """Whether the next step may launch before the step in flight is read: a plain decode
         step (no prefill, no preemption) with resident KV, whose sampling reads nothing the
-        host has not seen (no penalties, no logprobs)."""
-        return (self.cfg.async_scheduling and self.kv.streamer is None
+        host has not seen (no penalties, no logprobs). Not under tensor parallelism: the
+        workers would need the step in flight's tokens, which only rank 0 samples."""
+        return (self.cfg.async_scheduling and self.kv.streamer is None and self.workers is None
                 and self.scheduler.next_step_is_plain_decode()
                 and all(not s.params.has_penalties and s.params.logprobs is None
                         for s in self.scheduler.running))

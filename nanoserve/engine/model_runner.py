@@ -12,12 +12,14 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
+from nanoserve.distributed.parallel_state import agree_min, tp_size
+from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
 from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
-from nanoserve.engine.step_inputs import InFlightTokens, StepInputBuilder, StepInputs
+from nanoserve.engine.step_inputs import HostStep, InFlightTokens, StepInputBuilder, StepInputs
 from nanoserve.engine.token_stats import TokenStats
 from nanoserve.kv.fp8 import dequantize
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
@@ -38,8 +40,11 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: CausalLM, max_model_len: int,
-                 progress: bool = True) -> None:
-        self.cfg, self.model = cfg, model
+                 progress: bool = True, peers: TPWorkers | None = None) -> None:
+        """peers: under tensor parallelism, rank 0's workers (each step's inputs go to them);
+        None on the workers themselves and without TP. Every rank builds its runner through
+        this same code, so their start-up collectives pair up."""
+        self.cfg, self.model, self.peers = cfg, model, peers
         self.mcfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -48,16 +53,21 @@ class ModelRunner:
         model.set_moe_backend(cfg.moe_backend)
         kv_dtype = cfg.torch_kv_dtype
         self.backend = select_backend(cfg.attention_backend, self.device, kv_dtype == self.dtype)
-        self.backend.configure(self.mcfg.num_kv_heads, max_model_len)
+        num_kv_heads = model.attention_layers[0].num_kv_heads  # this rank's share under TP
+        self.backend.configure(num_kv_heads, max_model_len)
         for attn in model.attention_layers:
             attn.backend = self.backend
         self.token_stats = TokenStats(self.mcfg.vocab_size, cfg.max_num_seqs, self.device)
 
-        spec = KVSpec.for_model(self.mcfg, cfg.page_size, kv_dtype)
+        spec = KVSpec(self.mcfg.num_layers, cfg.page_size, num_kv_heads, self.mcfg.head_dim,
+                      kv_dtype)
         max_pages_per_seq = pages_needed(max_model_len, cfg.page_size)
-        host_gib = (cfg.host_kv_budget_gib or default_host_budget_gib()) if \
+        # the host budget is the machine's, shared by the ranks; the GPU budget is per GPU;
+        # every rank takes the smallest figure, so all plan the same pages and layers
+        host_gib = (cfg.host_kv_budget_gib or default_host_budget_gib()) / tp_size() if \
             cfg.enable_offload else 0.0
-        budget = KVBudget(self._gpu_budget_bytes(spec), int(host_gib * GiB), cfg.enable_offload,
+        budget = KVBudget(agree_min(self._gpu_budget_bytes(spec)),
+                          agree_min(int(host_gib * GiB)), cfg.enable_offload,
                           cfg.max_num_seqs, max_pages_per_seq, cfg.num_kv_buffers,
                           cfg.resident_layers)
         self.kv = KVManager(spec, budget, self.device, cfg.enable_prefix_caching)
@@ -78,9 +88,10 @@ class ModelRunner:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
         now, not in the first request that has a cached prefix (the other fused kernels
         compile in the memory-profiling prefill and graph capture)."""
-        o = torch.zeros(2, self.mcfg.num_heads, self.mcfg.head_dim, dtype=self.dtype,
+        heads = self.model.attention_layers[0].num_heads
+        o = torch.zeros(2, heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
-        lse = torch.zeros(2, self.mcfg.num_heads, device=self.device)
+        lse = torch.zeros(2, heads, device=self.device)
         merge_partials(o, lse, o, lse)
         if spec.quantized:
             for n in (2, 1):
@@ -130,10 +141,18 @@ class ModelRunner:
     def run(self, batch: Batch) -> list[int | None]:
         """Sampled token per sequence; None for a prompt chunk that does not end its prompt."""
         n = len(batch.seqs)
-        graphs = self._graphs_for(batch)
-        inputs = self.inputs.build(batch, graphs.padded_size(n) if graphs else None)
-        logits = self.forward(batch, inputs)
-        seqs = [s for s, yes in zip(batch.seqs, inputs.samples, strict=True) if yes]
+        graphs = self._graphs_for(batch.is_prefill, n)
+        step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None)
+        if self.peers is not None:
+            self.peers.send(step)
+        try:
+            logits = self.forward(step.to_device(self.device, self.inputs.pin))
+        except Exception as e:
+            if self.peers is not None:  # the workers ran theirs: the ranks are out of step
+                raise TensorParallelFailure(f"a step failed on rank 0 after its workers took "
+                                            f"it: {type(e).__name__}: {e}") from e
+            raise
+        seqs = [s for s, yes in zip(batch.seqs, step.samples, strict=True) if yes]
         if not seqs:
             return [None] * n
         # logits come from the model's dtype: a half-precision model's are exact in it
@@ -143,8 +162,14 @@ class ModelRunner:
                      key_dtype)
         tokens = iter(out.token_ids)
         logprobs = iter(out.logprobs or [None] * len(seqs))
-        batch.logprobs = [next(logprobs) if yes else None for yes in inputs.samples]
-        return [next(tokens) if yes else None for yes in inputs.samples]
+        batch.logprobs = [next(logprobs) if yes else None for yes in step.samples]
+        return [next(tokens) if yes else None for yes in step.samples]
+
+    @torch.inference_mode()
+    def execute(self, step: HostStep) -> None:
+        """A worker's share of a step rank 0 runs (tensor parallelism): the same forward, no
+        sampling."""
+        self.forward(step.to_device(self.device, self.inputs.pin))
 
     @torch.inference_mode()
     def launch(self, batch: Batch, in_flight: InFlightTokens | None) -> LaunchedStep:
@@ -152,9 +177,9 @@ class ModelRunner:
         async scheduling. Sequences still waiting for `in_flight`'s tokens take them on the
         device. No logprobs, no penalties (both read the host's view of the tokens)."""
         n = len(batch.seqs)
-        graphs = self._graphs_for(batch)
+        graphs = self._graphs_for(batch.is_prefill, n)
         inputs = self.inputs.build(batch, graphs.padded_size(n) if graphs else None, in_flight)
-        logits = self.forward(batch, inputs)
+        logits = self.forward(inputs)
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         positions = [s.num_tokens + s.num_pending for s in batch.seqs]
         t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
@@ -176,17 +201,17 @@ class ModelRunner:
             step.done.synchronize()
         return step.host_tokens.tolist()
 
-    def _graphs_for(self, batch: Batch) -> DecodeGraphRunner | None:
-        if batch.is_prefill or self.graphs is None or not self.graphs.can_run(len(batch.seqs)):
+    def _graphs_for(self, is_prefill: bool, num_seqs: int) -> DecodeGraphRunner | None:
+        if is_prefill or self.graphs is None or not self.graphs.can_run(num_seqs):
             return None
         return self.graphs
 
-    def forward(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of the rows that sample (prefill) or of the batch's sequences (decode):
         a decode graph's replay where one is captured for the batch, else eager."""
-        graphs = self._graphs_for(batch)
+        graphs = self._graphs_for(inputs.is_prefill, inputs.num_seqs)
         if graphs is not None:
-            return graphs.run(inputs)[:len(batch.seqs)]
+            return graphs.run(inputs)[:inputs.num_seqs]
         return self._forward_eager(inputs)
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:

@@ -118,6 +118,11 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
+        """False once the loop died or a tensor-parallel rank is gone (the loop may then be
+        blocked in a step that cannot finish: requests are refused without waiting for it)."""
+        failure = self.engine.failure
+        if failure is not None and self.error is None:
+            self.error = failure
         return self._thread.is_alive() and self.error is None
 
     async def submit(self, token_ids: list[int], params: SamplingParams,
