@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from tp_worker import prefill_logits, run_rank
 
 from nanoserve.distributed import parallel_state
+from nanoserve.models import loader
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.loader import build_model, model_bytes, resolve_model_dir
+from nanoserve.models.loader import build_model, check_model_fits, model_bytes, resolve_model_dir
 from nanoserve.models.sizes import num_model_params
 
 TP = 2
@@ -37,6 +38,7 @@ CASES = {
     "llama": ("llama", {}, False),
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True), False),
     "qwen3-moe": ("qwen3_moe", {}, False),
+    "qwen3-moe-stacked-experts": ("qwen3_moe", {}, False),  # gate_up_proj [E, 2I, H] on disk
     "qwen3-dummy": ("qwen3", {}, True),
     "qwen3-moe-dummy": ("qwen3_moe", {}, True),
 }
@@ -52,7 +54,12 @@ def runs(tmp_path_factory):
     jobs, dirs = [], {}
     for name, (arch, overrides, dummy) in CASES.items():
         dirs[name] = root / name
-        make_hf_model(arch, dirs[name], **overrides)
+        hf = make_hf_model(arch, dirs[name], **overrides)
+        if "stacked" in name:  # transformers' in-memory layout, saved as it is
+            save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+                      dirs[name] / "model.safetensors")
+            assert "model.layers.0.mlp.experts.gate_up_proj" in \
+                load_file(dirs[name] / "model.safetensors")
         jobs.append((name, dirs[name], PROMPTS, dummy))
     make_hf_model("qwen3", root / ONE_KV_HEAD, num_key_value_heads=1)
     jobs.append((ONE_KV_HEAD, root / ONE_KV_HEAD, PROMPTS, False))
@@ -179,7 +186,7 @@ def test_num_model_params_counts_one_ranks_share(name, tp):
         attn = model.attention_layers[0]
         assert (attn.num_heads, attn.num_kv_heads) == \
             (cfg.num_heads // tp, cfg.num_kv_heads // tp) == \
-            (cfg.num_heads // tp, cfg.local_kv_heads())
+            (cfg.local_heads(), cfg.local_kv_heads())
 
 
 def test_local_kv_heads_is_num_kv_heads_at_tp1():
@@ -208,3 +215,15 @@ def test_qwen2_5_7b_at_tp8_is_refused_naming_its_heads():
         cfg.check_tensor_parallel(8)
     assert str(e.value).startswith("tensor parallel size 8 does not divide the qwen2 config's "
                                    "num_attention_heads 28, num_key_value_heads 4:")
+
+
+def test_a_rank_is_refused_when_its_share_does_not_fit(monkeypatch):
+    cfg = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
+    monkeypatch.setattr(loader, "available_memory", lambda device: 3 * 10**9)
+    with as_rank(1, 4), pytest.raises(ValueError) as e:
+        check_model_fits(cfg, torch.bfloat16, "cpu")
+    assert str(e.value).startswith(
+        "the model does not fit: this rank's share of its weights (tensor parallel size 4) "
+        f"need {model_bytes(cfg, torch.bfloat16, tp=4) / 1e9:.1f} GB")
+    with as_rank(1, 8):
+        check_model_fits(cfg, torch.bfloat16, "cpu")

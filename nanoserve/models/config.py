@@ -116,6 +116,12 @@ class ModelConfig:
         self.check_tensor_parallel(size)
         return self.num_kv_heads // size
 
+    def local_heads(self, size: int | None = None) -> int:
+        """Attention (query) heads one rank computes; as local_kv_heads."""
+        size = tp_size() if size is None else size
+        self.check_tensor_parallel(size)
+        return self.num_heads // size
+
 
 def _rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:
     """(rope_theta, scaling or None), following transformers' standardize_rope_params."""

@@ -145,7 +145,9 @@ def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device 
         return
     where = "of RAM is available (MemAvailable)" if device.type == "cpu" else \
         f"is free on {device}"
-    text = (f"the model does not fit: its weights need {_gb(need)} in "
+    share = f"this rank's share of its weights (tensor parallel size {tp_size()})" \
+        if tp_size() > 1 else "its weights"
+    text = (f"the model does not fit: {share} need {_gb(need)} in "
             f"{str(dtype).removeprefix('torch.')} but only {_gb(avail)} {where}")
     half = model_bytes(cfg, torch.bfloat16, max_len)
     if dtype == torch.float32 and half <= avail:
