@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -75,9 +76,10 @@ def runs(tmp_path_factory):
              for r in range(TP)]
     for p in ranks:
         p.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
         for p in ranks:
-            p.join(SPAWN_TIMEOUT_S)
+            p.join(max(0.0, deadline - time.monotonic()))
     finally:
         for p in ranks:  # a rank still running (a hang) is killed: no process outlives the test
             if p.is_alive():
