@@ -32,16 +32,17 @@ REL_BOUND = 1e-5
 PROMPTS = random_prompts(3, [5, 13, 9], seed=7)
 SPAWN_TIMEOUT_S = 180
 
-# case -> (tiny model family, config overrides, dummy weights)
+# case -> (tiny model family, config overrides, dummy weights, MoE backend)
 CASES = {
-    "qwen3": ("qwen3", {}, False),
-    "qwen2-qkv-bias": ("qwen2", {}, False),
-    "llama": ("llama", {}, False),
-    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True), False),
-    "qwen3-moe": ("qwen3_moe", {}, False),
-    "qwen3-moe-stacked-experts": ("qwen3_moe", {}, False),  # gate_up_proj [E, 2I, H] on disk
-    "qwen3-dummy": ("qwen3", {}, True),
-    "qwen3-moe-dummy": ("qwen3_moe", {}, True),
+    "qwen3": ("qwen3", {}, False, "auto"),
+    "qwen2-qkv-bias": ("qwen2", {}, False, "auto"),
+    "llama": ("llama", {}, False, "auto"),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True), False, "auto"),
+    "qwen3-moe": ("qwen3_moe", {}, False, "auto"),  # the loop path on the CPU
+    "qwen3-moe-gather": ("qwen3_moe", {}, False, "gather"),  # the capturable path
+    "qwen3-moe-stacked-experts": ("qwen3_moe", {}, False, "auto"),  # [E, 2I, H] on disk
+    "qwen3-dummy": ("qwen3", {}, True, "auto"),
+    "qwen3-moe-dummy": ("qwen3_moe", {}, True, "auto"),
 }
 ONE_KV_HEAD = "qwen3-one-kv-head"  # refused: 2 ranks cannot split 1 KV head
 MISSING_K_PROJ = "qwen3-missing-k-proj"  # refused: a checkpoint without a tensor
@@ -53,7 +54,7 @@ def runs(tmp_path_factory):
     {refused case: [rank 0's message, rank 1's]})."""
     root = tmp_path_factory.mktemp("tp")
     jobs, dirs = [], {}
-    for name, (arch, overrides, dummy) in CASES.items():
+    for name, (arch, overrides, dummy, moe_backend) in CASES.items():
         dirs[name] = root / name
         hf = make_hf_model(arch, dirs[name], **overrides)
         if "stacked" in name:  # transformers' in-memory layout, saved as it is
@@ -61,7 +62,7 @@ def runs(tmp_path_factory):
                       dirs[name] / "model.safetensors")
             assert "model.layers.0.mlp.experts.gate_up_proj" in \
                 load_file(dirs[name] / "model.safetensors")
-        jobs.append((name, dirs[name], PROMPTS, dummy))
+        jobs.append((name, dirs[name], PROMPTS, dummy, moe_backend))
     make_hf_model("qwen3", root / ONE_KV_HEAD, num_key_value_heads=1)
     jobs.append((ONE_KV_HEAD, root / ONE_KV_HEAD, PROMPTS, False))
     missing = _without(dirs["qwen3"], root / MISSING_K_PROJ,
@@ -89,10 +90,10 @@ def runs(tmp_path_factory):
     assert not crashes, crashes[0]
     assert [p.exitcode for p in ranks] == [0] * TP
 
-    results = {name: dict(tp1=prefill_logits(dirs[name], PROMPTS, dummy),
+    results = {name: dict(tp1=prefill_logits(dirs[name], PROMPTS, dummy, moe_backend),
                           ranks=[torch.load(out / f"{name}.{r}.pt") for r in range(TP)],
                           cfg=ModelConfig.from_dir(dirs[name]))
-               for name, (_, _, dummy) in CASES.items()}
+               for name, (_, _, dummy, moe_backend) in CASES.items()}
     refusals = {name: [(out / f"{name}.{r}.err").read_text() for r in range(TP)]
                 for name in (ONE_KV_HEAD, MISSING_K_PROJ)}
     return results, refusals

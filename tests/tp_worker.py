@@ -28,13 +28,14 @@ CPU = torch.device("cpu")
 
 
 @torch.inference_mode()
-def prefill_logits(model_dir: Path, prompts: list[list[int]], dummy_weights: bool = False
-                   ) -> dict:
+def prefill_logits(model_dir: Path, prompts: list[list[int]], dummy_weights: bool = False,
+                   moe_backend: str = "auto") -> dict:
     """Logits of every position of `prompts`, prefilled in one batch (fp32, CPU, the torch
     attention backend over paged KV of this rank's KV heads), and the rank's parameter count."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, MAX_LEN, torch.float32, CPU, dummy_weights=dummy_weights,
                        progress=False)
+    model.set_moe_backend(moe_backend)
     spec = KVSpec(cfg.num_layers, PAGE_SIZE, cfg.local_kv_heads(), cfg.head_dim, torch.float32)
     seqs, next_page = [], 1  # page 0 stays unused, as in the engine's profiling prefill
     for ids in prompts:
@@ -56,15 +57,16 @@ def prefill_logits(model_dir: Path, prompts: list[list[int]], dummy_weights: boo
 
 
 def run_rank(rank: int, size: int, init_method: str, jobs: list[tuple], out_dir: Path) -> None:
-    """One rank: joins the TP group, runs every job (name, model_dir, prompts, dummy_weights)
+    """One rank: joins the TP group, runs every job (name, model_dir, prompts, dummy_weights,
+    moe_backend)
     and writes `{name}.{rank}.pt`, or `{name}.{rank}.err` with the ValueError or KeyError
     raised (a refusal); anything else ends the rank with `{rank}.crash`."""
     torch.set_num_threads(1)
     try:
         init_tp(rank, size, init_method, CPU)
-        for name, model_dir, prompts, dummy in jobs:
+        for name, model_dir, *args in jobs:
             try:
-                result = prefill_logits(model_dir, prompts, dummy)
+                result = prefill_logits(model_dir, *args)
             except (ValueError, KeyError) as e:
                 (out_dir / f"{name}.{rank}.err").write_text(str(e))
                 continue
