@@ -1,7 +1,8 @@
-"""Tensor parallelism's per-process state: this process's rank, the group's size, and the one
-collective the model's layers need (an all-reduce of partial sums).
+"""Tensor parallelism's per-process state: this process's rank, the group's size, and the two
+collectives the model needs: an all-reduce of partial sums (row-parallel layers, the
+vocabulary-parallel embedding) and an all-gather of the vocabulary-parallel logits.
 
-At TP=1 (the default) torch.distributed is never touched: `all_reduce` returns its input.
+At TP=1 (the default) torch.distributed is never touched: both collectives return their input.
 Under TP every rank runs the same layers on its shard of the weights and of the KV heads;
 column-parallel projections need no communication, row-parallel ones sum their partial
 outputs with `all_reduce`, inside the decode graphs too (NCCL calls capture into CUDA graphs).
@@ -40,7 +41,6 @@ def destroy_tp() -> None:
     if _size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _rank, _size = 0, 1
-_device = torch.device("cpu")  # where this rank's collectives run (NCCL: its GPU)
 
 
 def abort_tp() -> None:
@@ -67,6 +67,21 @@ def agree_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` [rows, n] side by side, in rank order: [rows, size * n]; `x` itself at
+    TP=1. One all-gather into a tensor (capturable in CUDA graphs), then a transposing copy."""
+    if _size == 1:
+        return x
+    rows, n = x.shape
+    gathered = torch.empty(_size * rows, n, dtype=x.dtype, device=x.device)
+    _all_gather_into(gathered, x.contiguous())
+    return gathered.view(_size, rows, n).permute(1, 0, 2).reshape(rows, _size * n)
+
+
+# torch >= 2.12 names it all_gather_single (all_gather_into_tensor warns, deprecated)
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard(n: int, what: str = "size") -> tuple[int, int]:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.distributed.parallel_state import tp_size
 from nanoserve.models.registry import Family, family_of
 from nanoserve.models.rope import ROPE_TYPES
 
@@ -91,6 +92,35 @@ class ModelConfig:
                 f"max_model_len <= {self.sliding_window} (where the window never applies), "
                 f"not {max_model_len}; pass --max-model-len {self.sliding_window} "
                 f"(max_model_len={self.sliding_window})")
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError unless `size` ranks can each hold an equal share of every dimension
+        tensor parallelism splits: the heads, the KV heads, the MLP rows (each expert's, for
+        MoE) and the vocabulary (not padded)."""
+        splits = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "vocab_size": self.vocab_size}
+        if len(self.moe_layers) < self.num_layers:
+            splits["intermediate_size"] = self.intermediate_size
+        if self.moe_layers:
+            splits["moe_intermediate_size"] = self.moe_intermediate_size
+        bad = [f"{name} {n}" for name, n in splits.items() if n % size]
+        if bad:
+            raise ValueError(f"tensor parallel size {size} does not divide the {self.architecture} "
+                             f"config's {', '.join(bad)}: each rank holds an equal share of the "
+                             f"attention heads, KV heads, MLP rows and vocabulary")
+
+    def local_kv_heads(self, size: int | None = None) -> int:
+        """KV heads one rank holds (and caches) under tensor parallelism of `size` ranks
+        (default: this process's TP size); num_kv_heads at TP=1."""
+        size = tp_size() if size is None else size
+        self.check_tensor_parallel(size)
+        return self.num_kv_heads // size
+
+    def local_heads(self, size: int | None = None) -> int:
+        """Attention (query) heads one rank computes; as local_kv_heads."""
+        size = tp_size() if size is None else size
+        self.check_tensor_parallel(size)
+        return self.num_heads // size
 
 
 def _rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:

@@ -4,6 +4,10 @@ the rotary table.
 
 Module names follow the Hugging Face checkpoints, except the fused `qkv_proj` and `gate_up_proj`
 and the stacked experts (models/moe.py).
+
+Under tensor parallelism (models/parallel.py) the model is built for this process's rank: each
+layer holds its share of the heads and MLP rows, and its shapes and counts (`Attention.num_heads`,
+`num_kv_heads`) are the local ones. TP is read when the model is built.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoserve.distributed.parallel_state import all_gather, all_reduce, shard, tp_size
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import (
     MergedLinear,
@@ -20,6 +25,7 @@ from nanoserve.models.layers import (
     silu_and_mul,
 )
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
+from nanoserve.models.parallel import VocabParallelEmbedding
 
 
 class Attention(nn.Module):
@@ -44,14 +50,16 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        heads = shard(cfg.num_heads, "num_attention_heads")[1]
+        kv_heads = shard(cfg.num_kv_heads, "num_key_value_heads")[1]
+        self.q_size, self.kv_size = heads * d, kv_heads * d
         self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list: shared, and not registered as a submodule
-        self.attn = Attention(layer_id, cfg.num_heads, cfg.num_kv_heads, d)
+        self.attn = Attention(layer_id, heads, kv_heads, d)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         d = self.attn.head_dim
@@ -64,18 +72,18 @@ class SelfAttention(nn.Module):
         else:
             q, k = self.rotary[0](positions, q, k)
         o = self.attn(q, k, v)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        i = cfg.intermediate_size
+        i = shard(cfg.intermediate_size, "intermediate_size")[1]
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
         self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -86,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg) if layer_id not in cfg.moe_layers else SparseMoE(
             cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-            cfg.moe_intermediate_size, cfg.norm_topk_prob)
+            shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1], cfg.norm_topk_prob)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add_forward(
@@ -98,7 +106,7 @@ class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -107,9 +115,12 @@ class DecoderBody(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
+        cfg.check_tensor_parallel(tp_size())
         self.config = cfg
         self.model = DecoderBody(cfg, max_len)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # this rank's rows of the vocabulary, as the embedding's (a tied head shares them)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard(cfg.vocab_size, "vocab_size")[1],
+                                 bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -134,8 +145,9 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of (un-normalized) last-layer hidden states."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        """float32 logits [rows, vocab] of (un-normalized) last-layer hidden states, the whole
+        vocabulary on every rank."""
+        return all_gather(self.lm_head(self.model.norm(hidden))).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states of every input token, every layer resident (the engine runs

@@ -1,5 +1,6 @@
 """Find a model (local dir, shipped config, embedded model, or hub id) and load its weights
-straight into place: the module is built on the meta device, then materialized once."""
+straight into place: the module is built on the meta device, then materialized once. Under
+tensor parallelism each rank builds and fills only its part (models/parallel.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from nanoserve.distributed.parallel_state import tp_size
 from nanoserve.models.checkpoint import checkpoint_target, covered, destination, pieces
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
+from nanoserve.models.parallel import full_shape, read_rank_part
 from nanoserve.models.sizes import num_model_params
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -103,9 +106,12 @@ def resolve_model_dir(model: str | None, dummy_weights: bool = False) -> Path:
                                 f"{_one_line(e)}") from e
 
 
-def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0) -> int:
-    """Bytes of the built model: weights in `dtype` plus the fp32 RoPE table of `max_len`."""
-    return num_model_params(cfg) * dtype.itemsize + max_len * cfg.head_dim * 4
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0,
+                tp: int | None = None) -> int:
+    """Bytes of the model one rank builds under tensor parallelism of `tp` ranks (default:
+    this process's TP size): its weights in `dtype` plus the fp32 RoPE table of `max_len`."""
+    tp = tp_size() if tp is None else tp
+    return num_model_params(cfg, tp) * dtype.itemsize + max_len * cfg.head_dim * 4
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -139,7 +145,9 @@ def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device 
         return
     where = "of RAM is available (MemAvailable)" if device.type == "cpu" else \
         f"is free on {device}"
-    text = (f"the model does not fit: its weights need {_gb(need)} in "
+    share = f"this rank's share of its weights (tensor parallel size {tp_size()})" \
+        if tp_size() > 1 else "its weights"
+    text = (f"the model does not fit: {share} need {_gb(need)} in "
             f"{str(dtype).removeprefix('torch.')} but only {_gb(avail)} {where}")
     half = model_bytes(cfg, torch.bfloat16, max_len)
     if dtype == torch.float32 and half <= avail:
@@ -184,8 +192,11 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
                 target = checkpoint_target(name)
                 if target.param not in params:
                     raise KeyError(f"checkpoint tensor {name} has no place in the model")
-                destination(params, modules, target).copy_(f.get_tensor(name))
-                filled |= covered(target, _owner(modules, target.param))
+                owner = _owner(modules, target.param)
+                src = f.get_slice(name)  # reads only this rank's part from disk
+                destination(params, modules, target).copy_(read_rank_part(
+                    src, len(src.get_shape()), target.param, owner, target.shard))
+                filled |= covered(target, owner)
     missing = sorted(_expected_keys(model) - filled)
     if missing:
         raise KeyError(
@@ -205,15 +216,22 @@ def _expected_keys(model: CausalLM) -> set[str]:
 
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
-    """Random weights from the config alone, generated on the model's device."""
+    """Random weights from the config alone, generated on the model's device. Under tensor
+    parallelism each rank generates every full (TP=1) parameter in turn and keeps its part:
+    the ranks together hold exactly the TP=1 model of the same seed."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
-        else:
+        elif tp_size() == 1:
             p.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = torch.empty(full_shape(name, p.shape), dtype=p.dtype, device=p.device)
+            full.normal_(0.0, 0.02, generator=gen)
+            p.copy_(read_rank_part(full, full.ndim, name, _owner(modules, name)))
 
 
 def load_model(model_dir: Path, max_len: int, dtype: torch.dtype, device: torch.device,

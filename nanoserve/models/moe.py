@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.distributed.parallel_state import all_reduce
 from nanoserve.models.layers import silu_and_mul
 
 MOE_BACKENDS = ("auto", "loop", "grouped", "gather")
@@ -62,7 +63,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         run = EXPERT_PATHS[choose_path(self.backend, x)]
-        return run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        # under TP each expert's intermediate rows are split: the ranks' outputs are partial sums
+        return all_reduce(run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj))
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool

@@ -10,19 +10,22 @@ def expert_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def num_model_params(cfg: ModelConfig) -> int:
-    """Parameters of the model nanoserve builds for `cfg` (biases and q/k norms included)."""
+def num_model_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of the model nanoserve builds for `cfg` (biases and q/k norms included); with
+    `tp`, those one rank holds under tensor parallelism of `tp` ranks (models/parallel.py: the
+    norms and the MoE router replicated, the rest split)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    layer = (h * qkv_out + (qkv_out if cfg.qkv_bias else 0)  # qkv_proj
-             + cfg.num_heads * d * h  # o_proj
-             + (2 * d if cfg.qk_norm else 0)  # q_norm, k_norm
-             + 2 * h)  # input and post-attention norms
     moe = len(cfg.moe_layers)
-    mlps = (cfg.num_layers - moe) * 3 * h * i + \
-        moe * cfg.num_experts * (h + expert_params(cfg))  # router row + expert, per expert
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * layer + mlps + embeddings + h  # + the final norm
+    split = (cfg.num_layers * (h * qkv_out + (qkv_out if cfg.qkv_bias else 0)  # qkv_proj
+                               + cfg.num_heads * d * h)  # o_proj
+             + (cfg.num_layers - moe) * 3 * h * i + moe * cfg.num_experts * expert_params(cfg)
+             + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2))  # embeddings
+    replicated = (cfg.num_layers * ((2 * d if cfg.qk_norm else 0)  # q_norm, k_norm
+                                    + 2 * h)  # input and post-attention norms
+                  + moe * cfg.num_experts * h  # the routers
+                  + h)  # the final norm
+    return split // tp + replicated
 
 
 def expected_distinct_experts(cfg: ModelConfig, batch: int) -> float:
