@@ -84,6 +84,13 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def shard_padded(n: int) -> tuple[int, int]:
+    """(start, length) of this rank's share of `n` rows padded to a multiple of the TP size
+    (the vocabulary): every rank holds ceil(n / size) rows, the last ones past `n` unused."""
+    length = -(-n // _size)
+    return _rank * length, length
+
+
 def shard(n: int, what: str = "size") -> tuple[int, int]:
     """(start, length) of this rank's equal share of `n` (a head count, a row count);
     ValueError when `n` does not divide by the TP size."""

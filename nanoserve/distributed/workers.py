@@ -111,6 +111,7 @@ class TPWorkers:
         if self._closing:
             return
         rank = sentinels[ended[0]]
+        self.procs[rank - 1].join(5)  # reaped: its exit code is known
         code = self.procs[rank - 1].exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else \
             f"exited with code {code}"

@@ -31,14 +31,6 @@ def is_device_failure(e: BaseException) -> bool:
     return isinstance(e, (accelerator_error, TensorParallelFailure)) or "CUDA error" in str(e)
 
 
-def check_tensor_parallel(mcfg: ModelConfig, size: int) -> None:
-    """Refuses, before any process starts, a TP size the model's heads do not divide by."""
-    for what, n in (("attention heads", mcfg.num_heads), ("kv heads", mcfg.num_kv_heads)):
-        if n % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {n} "
-                             f"{what}: each rank holds an equal share of them")
-
-
 def load_tokenizer(model_dir: Path):
     """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
     if not any(model_dir.glob("tokenizer*")):
@@ -89,7 +81,7 @@ class LLMEngine:
         1..N-1, building theirs at the same time) and this process's place in the group."""
         cfg = self.cfg
         if cfg.tensor_parallel_size > 1:
-            check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+            self.model_config.check_tensor_parallel(cfg.tensor_parallel_size)
             if cfg.enable_offload and cfg.host_kv_budget_gib is None:  # one figure for all
                 cfg = self.cfg = replace(cfg, host_kv_budget_gib=default_host_budget_gib())
             self.workers = TPWorkers(cfg, self.model_dir, self.max_model_len)

@@ -95,10 +95,9 @@ class ModelConfig:
 
     def check_tensor_parallel(self, size: int) -> None:
         """ValueError unless `size` ranks can each hold an equal share of every dimension
-        tensor parallelism splits: the heads, the KV heads, the MLP rows (each expert's, for
-        MoE) and the vocabulary (not padded)."""
-        splits = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                  "vocab_size": self.vocab_size}
+        tensor parallelism splits: the heads, the KV heads and the MLP rows (each expert's, for
+        MoE). The vocabulary is padded to a multiple of `size`."""
+        splits = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads}
         if len(self.moe_layers) < self.num_layers:
             splits["intermediate_size"] = self.intermediate_size
         if self.moe_layers:
@@ -107,7 +106,7 @@ class ModelConfig:
         if bad:
             raise ValueError(f"tensor parallel size {size} does not divide the {self.architecture} "
                              f"config's {', '.join(bad)}: each rank holds an equal share of the "
-                             f"attention heads, KV heads, MLP rows and vocabulary")
+                             f"attention heads, KV heads and MLP rows")
 
     def local_kv_heads(self, size: int | None = None) -> int:
         """KV heads one rank holds (and caches) under tensor parallelism of `size` ranks

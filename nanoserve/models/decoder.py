@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.distributed.parallel_state import all_gather, all_reduce, shard, tp_size
+from nanoserve.distributed.parallel_state import (
+    all_gather,
+    all_reduce,
+    shard,
+    shard_padded,
+    tp_size,
+)
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import (
     MergedLinear,
@@ -119,7 +125,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, max_len)
         # this rank's rows of the vocabulary, as the embedding's (a tied head shares them)
-        self.lm_head = nn.Linear(cfg.hidden_size, shard(cfg.vocab_size, "vocab_size")[1],
+        self.lm_head = nn.Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1],
                                  bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -147,7 +153,10 @@ class CausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of (un-normalized) last-layer hidden states, the whole
         vocabulary on every rank."""
-        return all_gather(self.lm_head(self.model.norm(hidden))).float()
+        logits = all_gather(self.lm_head(self.model.norm(hidden)))
+        if logits.shape[-1] != self.config.vocab_size:  # TP: the vocabulary's padding
+            logits = logits[:, :self.config.vocab_size]
+        return logits.float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states of every input token, every layer resident (the engine runs

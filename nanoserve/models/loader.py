@@ -15,7 +15,7 @@ from nanoserve.distributed.parallel_state import tp_size
 from nanoserve.models.checkpoint import checkpoint_target, covered, destination, pieces
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
-from nanoserve.models.parallel import full_shape, read_rank_part
+from nanoserve.models.parallel import copy_rank_part, full_shape, read_rank_part
 from nanoserve.models.sizes import num_model_params
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -194,8 +194,8 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
                     raise KeyError(f"checkpoint tensor {name} has no place in the model")
                 owner = _owner(modules, target.param)
                 src = f.get_slice(name)  # reads only this rank's part from disk
-                destination(params, modules, target).copy_(read_rank_part(
-                    src, len(src.get_shape()), target.param, owner, target.shard))
+                copy_rank_part(destination(params, modules, target), read_rank_part(
+                    src, len(src.get_shape()), target.param, owner, target.shard), target.param)
                 filled |= covered(target, owner)
     missing = sorted(_expected_keys(model) - filled)
     if missing:
@@ -231,7 +231,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
         else:
             full = torch.empty(full_shape(name, p.shape), dtype=p.dtype, device=p.device)
             full.normal_(0.0, 0.02, generator=gen)
-            p.copy_(read_rank_part(full, full.ndim, name, _owner(modules, name)))
+            copy_rank_part(p, read_rank_part(full, full.ndim, name, _owner(modules, name)), name)
 
 
 def load_model(model_dir: Path, max_len: int, dtype: torch.dtype, device: torch.device,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.distributed.parallel_state import all_reduce, shard, tp_rank, tp_size
+from nanoserve.distributed.parallel_state import all_reduce, shard_padded, tp_rank, tp_size
 from nanoserve.models.layers import MergedLinear
 from nanoserve.models.moe import Experts
 
@@ -74,8 +74,21 @@ def read_rank_part(src: Any, ndim: int, param: str, module: nn.Module,
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
+def copy_rank_part(dst: torch.Tensor, part: torch.Tensor, param: str) -> None:
+    """Fills `dst` with `part`; the last rank's vocabulary rows past the vocabulary (padding)
+    are zeros."""
+    if part.shape == dst.shape:
+        dst.copy_(part)
+        return
+    dim = split_dim(param)
+    dst.zero_()
+    dst.narrow(dim, 0, part.shape[dim]).copy_(part)
+
+
 def full_shape(param: str, local: torch.Size) -> tuple[int, ...]:
-    """The TP=1 shape of a parameter whose local shape is `local`."""
+    """The TP=1 shape of a parameter whose local shape is `local` (the vocabulary padded to a
+    multiple of the TP size: a model whose vocabulary does not divide gets other dummy
+    weights under TP than at TP=1)."""
     dim = split_dim(param)
     shape = list(local)
     if dim is not None:
@@ -84,14 +97,15 @@ def full_shape(param: str, local: torch.Size) -> tuple[int, ...]:
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """This rank's rows of the vocabulary: an id outside them embeds to zeros, and the sum over
+    """This rank's rows of the vocabulary (padded to a multiple of the TP size; the padding rows
+    are zeros and no id reaches them): an id outside them embeds to zeros, and the sum over
     the ranks (exact: one non-zero term) is the full embedding. Split rather than replicated:
     a tied lm_head needs these rows anyway, and a replicated table would cost every rank
     vocab x hidden (1.2 GB for Qwen3-8B in bf16) to save one all-reduce of [tokens, hidden] a
     step, next to two a layer."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        start, n = shard(vocab_size, "vocab_size")
+        start, n = shard_padded(vocab_size)
         super().__init__(n, hidden_size)
         self.vocab_start, self.tp = start, tp_size()
 
