@@ -144,7 +144,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Queues the request's `params.n` sequences (one per completion, index 0..n-1).
         Raises ValueError (InvalidParameter naming the field) for a request that cannot run;
-        nothing is queued then and nothing else is affected."""
+        nothing is queued then and nothing else is affected. Raises TensorParallelFailure once a
+        tensor-parallel rank is gone."""
+        if self.workers is not None:
+            self.workers.check()
         self.check_params(params)
         ids = self.tokenize(prompt)
         self.scheduler.check_admissible(len(ids))

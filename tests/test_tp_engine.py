@@ -1,0 +1,150 @@
+"""Tensor parallelism end to end on the CPU (gloo): a TP=2 engine (rank 0 here, rank 1 a
+spawned worker) gives TP=1's greedy tokens, resident and offloaded; its worker never outlives
+it; a worker that dies is a clear error, also for the server's health check."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import make_hf_model, random_prompts
+from helpers import make_llm
+from nanoserve import SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.workers import TensorParallelFailure
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = random_prompts(3, [37, 5, 90], seed=11)
+OFFLOAD = {"resident": {},
+           # one layer resident, two streamed through two ring slots
+           "split": dict(enable_offload=True, resident_layers=1, host_kv_budget_gib=0.05),
+           # every layer streamed, more streamed layers than slots
+           "streamed": dict(enable_offload=True, resident_layers=0, host_kv_budget_gib=0.05)}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tp-{request.param}")
+    make_hf_model(request.param, path)
+    return path
+
+
+def token_ids(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def gone(procs, timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while any(p.is_alive() for p in procs) and time.time() < deadline:
+        time.sleep(0.05)
+    return not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("mode", OFFLOAD)
+def test_tp2_greedy_tokens_equal_tp1(model_dir, mode):
+    ref = token_ids(make_llm(model_dir, **OFFLOAD[mode]))
+    with make_llm(model_dir, tensor_parallel_size=2, **OFFLOAD[mode]) as llm:
+        engine = llm.engine
+        assert (engine.kv.streamer is not None) == (mode != "resident")
+        assert engine.kv.spec.num_kv_heads == 1  # this rank's share of the 2 kv heads
+        procs = engine.workers.procs
+        assert token_ids(llm) == ref
+    assert gone(procs)
+
+
+def test_the_embedded_model_runs_at_tp2_with_its_padded_vocabulary():
+    # 259 tokens: the ranks hold 130 rows each, the last one unused
+    prompts = random_prompts(3, [37, 5, 90], vocab=259, seed=11)
+    ref = make_llm(None).generate(prompts, GREEDY)
+    llm = make_llm(None, tensor_parallel_size=2)
+    procs = llm.engine.workers.procs
+    out = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    del llm, out
+    gc.collect()  # the LLM's finalizer stops its worker
+    assert gone(procs)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide the qwen3 "
+                                         "config's num_attention_heads 8, num_key_value_heads 4"):
+        make_llm(None, tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 exceeds the 2 visible CUDA"):
+        EngineConfig(device="cuda", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="pick the GPUs with CUDA_VISIBLE_DEVICES"):
+        EngineConfig(device="cuda:1", tensor_parallel_size=2)
+
+
+def test_a_dead_worker_is_a_clear_error_and_the_server_reports_unhealthy():
+    pytest.importorskip("fastapi")
+    from nanoserve.serve.async_engine import AsyncEngine
+
+    llm = make_llm(None, tensor_parallel_size=2)
+    ae = AsyncEngine(llm.engine)
+    ae.start()
+    assert ae.alive
+    worker = llm.engine.workers.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.time() + 10
+    while llm.engine.failure is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert llm.engine.failure.startswith("tensor-parallel rank 1 was killed by signal 9")
+    assert not ae.alive and ae.error == llm.engine.failure  # /health answers 503 with it
+    ae.shutdown()
+    with pytest.raises(TensorParallelFailure, match="rank 1 was killed by signal 9"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    llm.shutdown()
+
+
+SCRIPT = """
+import sys, time
+from nanoserve import LLM
+if __name__ == "__main__":
+    llm = LLM(device="cpu", dtype="float32", page_size=16, progress=False,
+              tensor_parallel_size=2)
+    print(" ".join(str(p.pid) for p in llm.engine.workers.procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_the_worker_dies_with_rank_0_however_rank_0_ends(tmp_path, sig):
+    script = tmp_path / "tp_main.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and pid_alive(pids[0])
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.time() + 10
+        while pid_alive(pids[0]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(pids[0])
+    finally:
+        proc.kill()
