@@ -5,13 +5,17 @@ measured ceilings (PCIe host->device, device memory, bf16 matmul), in one run.
     python bench_offload.py --model Qwen3-8B --input-len 4096,16384,32768 --batch-size 1,4
     python bench_offload.py --input-len 16384 --batch-size 1,16 --sampled   # greedy vs sampled
     python bench_offload.py --input-len 32768,131072 --bench-all --kv-cache-dtype fp8
+    python bench_offload.py --input-len 32768 --tensor-parallel-size 1,2,4 --resident-graph
 
 Reports per mode: TTFT, prefill tok/s, TPOT median/p90 (decode steps only), decode tok/s,
 output tok/s (all output tokens over the whole run), peak GPU memory, host->device bytes per
 decode step, layers resident/streamed, and the ratio of each figure to its floor. Runs decode
 greedily unless --temperature / --top-p / --top-k say otherwise; --sampled runs every
 configuration twice, greedy and sampled, and reports sampled / greedy ratios of TPOT and output
-tok/s. Writes bench.json and bench.png into --out.
+tok/s. With --tensor-parallel-size N (N > 1) the PCIe floor is the bytes every rank streams
+over the host->device bandwidth of N GPUs copying at once (measured in the same run), the HBM
+floor one rank's bytes over one GPU's bandwidth, the FLOP floor over N GPUs' matmul rate.
+Writes bench.json and bench.png into --out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing as mp
 import platform
 import statistics
 import sys
@@ -70,6 +75,34 @@ def measure_ceilings() -> dict:
     b = torch.randn_like(a)
     tflops = 2 * 8192**3 / _time_ms(lambda: a @ b) / 1e9
     return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops}
+
+
+def _copy_on_rank(rank: int, nbytes: int, reps: int, barrier, seconds) -> None:
+    torch.cuda.set_device(rank)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    seconds[rank] = time.perf_counter() - t0
+
+
+def measure_h2d_aggregate(num_gpus: int, nbytes: int = 256 << 20, reps: int = 20) -> float:
+    """GB/s host->device of `num_gpus` GPUs copying pinned memory at once (one process each,
+    as tensor-parallel ranks stream): all bytes over the slowest GPU's time."""
+    ctx = mp.get_context("spawn")
+    barrier, seconds = ctx.Barrier(num_gpus), ctx.Array("d", num_gpus)
+    procs = [ctx.Process(target=_copy_on_rank, args=(r, nbytes, reps, barrier, seconds))
+             for r in range(num_gpus)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return num_gpus * nbytes * reps / max(seconds) / 1e9
 
 
 # --- floors ---------------------------------------------------------------------------------
@@ -134,8 +167,8 @@ def add_sampling_ratios(rows: list[dict]) -> None:
 
 # --- one run ---------------------------------------------------------------------------------
 def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil: dict,
-             sampling: tuple[str, dict] | None = None) -> dict:
-    kw = dict(MODES[mode])
+             sampling: tuple[str, dict] | None = None, tp: int = 1) -> dict:
+    kw = dict(MODES[mode], tensor_parallel_size=tp)
     if kw.get("enable_offload"):
         kw["resident_layers"] = args.resident_layers
         if args.gpu_kv_budget is not None:
@@ -181,11 +214,13 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     plan = kv.plan
     ctx = input_len + args.output_len // 2
     kv_read = batch * ctx * kv.spec.token_bytes(plan.resident_layers)
-    resident_bytes = weight_bytes(cfg, runner.dtype.itemsize, batch) + kv_read
-    bytes_step = statistics.median(streamed) if streamed else 0
+    resident_bytes = weight_bytes(cfg, runner.dtype.itemsize, batch) / tp + kv_read  # a rank's
+    # rank 0 streams its share of the heads; every rank streams as much, each over its link
+    bytes_step = tp * statistics.median(streamed) if streamed else 0
+    h2d = ceil["h2d_GBps"] if tp == 1 else ceil["h2d_GBps_tp"][str(tp)]
     tpot = statistics.median(steps)
     row = {
-        "mode": mode, "input_len": input_len, "batch": batch, "sampling": label,
+        "mode": mode, "input_len": input_len, "batch": batch, "tp": tp, "sampling": label,
         "async_scheduling": not args.sync_scheduling,
         **sampling_params, "kv_cache_dtype": args.kv_cache_dtype,
         "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
@@ -197,9 +232,10 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         "output_tok_s": sum(s.num_output_tokens for s in seqs) / (ttft + sum(steps)),
         "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "h2d_bytes_per_step": bytes_step,
-        "pcie_floor_ms": bytes_step / ceil["h2d_GBps"] / 1e6,
+        "pcie_floor_ms": bytes_step / h2d / 1e6,
         "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
-        "prefill_floor_s": prefill_flops(cfg, input_len, batch) / ceil["bf16_TFLOPs"] / 1e12,
+        "prefill_floor_s": prefill_flops(cfg, input_len, batch) / tp / ceil["bf16_TFLOPs"] /
+        1e12,
     }
     floor = max(row["pcie_floor_ms"], row["hbm_floor_ms"])
     row["tpot_over_floor"] = row["tpot_ms_median"] / floor
@@ -355,19 +391,23 @@ def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[d
     torch.cuda.empty_cache()
 
 
-def fits(args, cfg: ModelConfig, input_len: int, batch: int) -> bool:
+def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> bool:
+    """Whether the weights and KV of one rank fit its GPU."""
     free, _ = torch.cuda.mem_get_info()
     kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.bfloat16)  # auto: bf16 on CUDA
     spec = KVSpec.for_model(cfg, EngineConfig().page_size, kv_dtype)
     kv = batch * (input_len + args.output_len) * spec.token_bytes()
     weights = num_model_params(cfg) * 2
-    return weights + kv < 0.9 * free
+    return (weights + kv) / tp < 0.9 * free
 
 
 def print_table(rows: list[dict], ceil: dict) -> None:
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
           f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
-    head = (f"{'mode':<15}{'sampling':<12}{'ctx':>7}{'bs':>4}{'res/str':>9}{'TTFT s':>8}"
+    tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
+    if tp_ceils:
+        print(f"host->device, GPUs copying at once: {tp_ceils} GB/s together")
+    head = (f"{'mode':<15}{'sampling':<12}{'ctx':>7}{'bs':>4}{'tp':>3}{'res/str':>9}{'TTFT s':>8}"
             f"{'xFLOP':>7}{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
             f"{'dec t/s':>9}{'out t/s':>9}{'H2D GB':>8}{'peak GiB':>9}")
     print(head)
@@ -375,7 +415,7 @@ def print_table(rows: list[dict], ceil: dict) -> None:
     rows = sorted(rows, key=lambda r: (r["input_len"], r["batch"]))
     for r in rows:
         start = (f"{r['mode']:<15}{sampling_label(r) if 'temperature' in r else '':<12}"
-                 f"{r['input_len']:>7}{r['batch']:>4}")
+                 f"{r['input_len']:>7}{r['batch']:>4}{r.get('tp', 1):>3}")
         if r.get("skipped"):
             print(f"{start}  {r['skipped']}")
             continue
@@ -391,6 +431,12 @@ def print_table(rows: list[dict], ceil: dict) -> None:
               f"{r['tpot_ms_median']:>9.2f}{r['tpot_ms_p90']:>8.2f}{floor:>8.2f}"
               f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}{r['output_tok_s']:>9.1f}"
               f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r['peak_gpu_GiB']:>9.1f}")
+    tp_rows = [r for r in rows if "tpot_vs_tp1" in r]
+    if tp_rows:
+        print("\ntensor parallel / one GPU, same mode, context and batch (lower is better):")
+        for r in tp_rows:
+            print(f"  {r['mode']:<15} ctx {r['input_len']:>6} bs {r['batch']:>2} TP={r['tp']}: "
+                  f"TPOT {r['tpot_vs_tp1']:.3f}x, TTFT {r['ttft_vs_tp1']:.3f}x")
     sampled = [r for r in rows if "tpot_vs_greedy" in r]
     if sampled:
         print("\nsampled / greedy, same mode, context and batch (TPOT: lower is better; output "
@@ -443,6 +489,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def add_tp_ratios(rows: list[dict]) -> None:
+    """Each TP > 1 row's TPOT and TTFT over those of its TP=1 row (same mode, context, batch,
+    sampling), where the run has one."""
+    def key(r: dict) -> tuple:
+        return r["mode"], r["input_len"], r["batch"], r.get("sampling")
+
+    one = {key(r): r for r in rows if r.get("tp", 1) == 1 and not r.get("skipped")}
+    for r in rows:
+        base = one.get(key(r))
+        if r.get("tp", 1) > 1 and base is not None and not r.get("skipped"):
+            r["tpot_vs_tp1"] = r["tpot_ms_median"] / base["tpot_ms_median"]
+            r["ttft_vs_tp1"] = r["ttft_s"] / base["ttft_s"]
+
+
 def int_list(text: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16], every item a positive integer."""
     try:
@@ -469,6 +529,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64, help="output tokens (at least 2)")
     ap.add_argument("--batch-size", type=int_list, default=[1],
                     help="comma-separated batch sizes")
+    ap.add_argument("--tensor-parallel-size", type=int_list, default=[1],
+                    help="comma-separated TP sizes, each run in turn (1,2,4: the TP rows "
+                         "report their ratio to the TP=1 row)")
     ap.add_argument("--bench-all", action="store_true", help="run every mode")
     for mode in MODES:
         ap.add_argument(f"--{mode}", action="store_true", help=f"run the {mode} mode")
@@ -539,6 +602,11 @@ def main() -> None:
     lens, batches = args.input_len, args.batch_size
     runs = sampling_runs(args)
     ceil = measure_ceilings()
+    tps = args.tensor_parallel_size
+    if max(tps) > torch.cuda.device_count():
+        sys.exit(f"bench_offload.py: --tensor-parallel-size {max(tps)} needs that many GPUs; "
+                 f"{torch.cuda.device_count()} visible")
+    ceil["h2d_GBps_tp"] = {str(n): measure_h2d_aggregate(n) for n in tps if n > 1}
     for run in runs:  # warm-up (kernel compilation, the sampler's first use), not reported
         try:
             run_mode(args, modes[0], min(lens), 1, cfg, ceil, run)
@@ -547,19 +615,21 @@ def main() -> None:
         gc.collect()
     torch.cuda.empty_cache()
     rows = []
-    combos = [(m, n, b, run) for n in lens for b in batches for m in modes for run in runs]
-    for mode, n, b, (label, params) in tqdm(combos, desc="bench"):
-        head = {"mode": mode, "input_len": n, "batch": b, "sampling": label, **params}
-        if mode.startswith("resident") and not fits(args, cfg, n, b):
+    combos = [(m, n, b, run, tp) for n in lens for b in batches for m in modes for run in runs
+              for tp in tps]
+    for mode, n, b, (label, params), tp in tqdm(combos, desc="bench"):
+        head = {"mode": mode, "input_len": n, "batch": b, "tp": tp, "sampling": label, **params}
+        if mode.startswith("resident") and not fits(args, cfg, n, b, tp):
             rows.append({**head, "skipped": "KV does not fit the GPU: resident cannot run"})
             continue
         try:
-            rows.append(run_mode(args, mode, n, b, cfg, ceil, (label, params)))
+            rows.append(run_mode(args, mode, n, b, cfg, ceil, (label, params), tp))
         except (ValueError, torch.cuda.OutOfMemoryError) as e:
             rows.append({**head, "skipped": str(e)[:80]})
             gc.collect()
             torch.cuda.empty_cache()
     add_sampling_ratios(rows)
+    add_tp_ratios(rows)
     # each twice: the first pays the mixed step's first compiles and cuDNN plans
     stall = [[run_stall(args, m, n, cfg) for _ in range(2)][-1] for n in lens for m in modes
              if args.stall and m.endswith("graph")]

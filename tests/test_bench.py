@@ -149,3 +149,31 @@ def test_moe_floors_count_the_weights_a_step_reads():
         2 * 48 * 32 * 128
     dense = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
     assert weight_bytes(dense, 2, 1) == weight_bytes(dense, 2, 64)
+
+
+def test_tp_rows_count_every_ranks_bytes_against_the_gpus_bandwidth_together(capsys):
+    """TP=2 offloaded: each rank streams half the heads, the floor counts both halves over the
+    two GPUs' bandwidth together; the row reports its TPOT over the TP=1 row's."""
+    from bench_offload import add_tp_ratios
+
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "600", "--output-len", "6",
+                       "--tensor-parallel-size", "1,2"])
+    assert args.tensor_parallel_size == [1, 2]
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    ceil = {**CEIL, "h2d_GBps_tp": {"2": 4.0}}
+    # 600 tokens: two full 256-token pages per sequence stream each step (the rest is its tail)
+    rows = [run_mode(args, "offload-eager", 600, 2, cfg, ceil, None, tp) for tp in (1, 2)]
+    add_tp_ratios(rows)
+    one, two = rows
+    assert (one["tp"], two["tp"]) == (1, 2)
+    assert one["h2d_bytes_per_step"] > 0
+    assert two["h2d_bytes_per_step"] == one["h2d_bytes_per_step"]  # 2 ranks x half the heads
+    assert two["pcie_floor_ms"] == pytest.approx(one["pcie_floor_ms"] / 4.0)
+    assert two["prefill_floor_s"] == pytest.approx(one["prefill_floor_s"] / 2)
+    assert "tpot_vs_tp1" not in one
+    assert two["tpot_vs_tp1"] == two["tpot_ms_median"] / one["tpot_ms_median"]
+    print_table(rows, ceil)
+    out = capsys.readouterr().out
+    assert "host->device, GPUs copying at once: 2 GPUs 4.0 GB/s together" in out
+    assert (f"  offload-eager   ctx    600 bs  2 TP=2: TPOT {two['tpot_vs_tp1']:.3f}x, TTFT "
+            f"{two['ttft_vs_tp1']:.3f}x") in out
