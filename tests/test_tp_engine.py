@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import make_hf_model, random_prompts
 from helpers import make_llm
+
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.workers import TensorParallelFailure

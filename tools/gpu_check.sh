@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|sampling|fp8|fp8bench|tune|
-#                         models|moe]...
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
+#                            sampling|fp8|fp8bench|tune|models|moe|tptests|tpbench]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -76,8 +76,18 @@ for w in $what; do
         | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
         --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
+    tptests)  # issue 15 (2 or 4 GPUs): needle under TP, offload on == off, graphs == eager
+      run python3 -m pytest -q -m gpu tests/test_gpu_tp.py -p no:cacheprovider -s 2>&1 \
+        | grep -v "it/s\]" | tee "$OUT/pytest_tp.log" \
+        | grep -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
+    tpbench)  # issue 15: resident 32K at TP 1, 2(, 4); offloaded 128K, all streamed, TP 1 and max
+      n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
+      run $B --input-len 32768 --resident-graph --tensor-parallel-size $sizes \
+        --out "$OUT/tp32k" 2>&1 | grep -v "it/s\]" | tail -12
+      run $B --input-len 131072 --offload-graph --tensor-parallel-size 1,${sizes##*,} \
+        --out "$OUT/tp128k" 2>&1 | grep -v "it/s\]" | tail -10 ;;
     tune)  # the decode kernel's tiles for bf16 and FP8 KV (nanoserve/attention/triton_decode.py)
-      run python3 tools/tune_decode.py 2>&1 | tee "$OUT/tune_decode.log" ;;
+      run python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v "it/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32

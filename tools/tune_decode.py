@@ -2,7 +2,8 @@
 (tokens per tile, warps, stages, splits x1 / x2) at several batch shapes, as achieved KV read
 bandwidth (values and scales) and its ratio to the device-memory floor. Usage (GPU):
     python tools/tune_decode.py [--shapes 1x32768,4x32768,64x512,1x131072] [--hbm-gbs 4229]
-Prints the best setting per (dtype, shape) and the current default's time beside it.
+Prints the best setting per (dtype, shape) and the current default's time beside it. FP8 also
+tries the float16 dots (Tiles.f16_dot).
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32768,4x32768,64x512,1x131072")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
+    ap.add_argument("--dtypes", default="bf16,fp8", help="KV dtypes to tune: bf16, fp8")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    candidates = [Tiles(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8),
-                                                                   (2, 3, 4))]
-    for dtype, name in ((torch.bfloat16, "default"), (FP8, "fp8")):
+    base = [Tiles(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    dtypes = {"bf16": (torch.bfloat16, "default", base),
+              "fp8": (FP8, "fp8", base + [t._replace(f16_dot=True) for t in base
+                                          if t.block_n >= 64])}
+    for key in args.dtypes.split(","):
+        dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):
             batch, ctx = map(int, shape.split("x"))
             q, k, v, ks, vs, table, lens, nbytes = case(batch, ctx, dtype, dev)
