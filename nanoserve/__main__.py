@@ -1,3 +1,4 @@
 from nanoserve.cli import main
 
-main()
+if __name__ == "__main__":  # not in spawned tensor-parallel workers, which import this module
+    main()
