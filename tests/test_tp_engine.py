@@ -24,7 +24,8 @@ from nanoserve.distributed.workers import TensorParallelFailure
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts(3, [37, 5, 90], seed=11)
-OFFLOAD = {"resident": {},
+OFFLOAD = {"resident": {},  # async scheduling: rank 0 sends each launched step's ids
+           "resident-sync": dict(async_scheduling=False),
            # one layer resident, two streamed through two ring slots
            "split": dict(enable_offload=True, resident_layers=1, host_kv_budget_gib=0.05),
            # every layer streamed, more streamed layers than slots
@@ -54,10 +55,14 @@ def test_tp2_greedy_tokens_equal_tp1(model_dir, mode):
     ref = token_ids(make_llm(model_dir, **OFFLOAD[mode]))
     with make_llm(model_dir, tensor_parallel_size=2, **OFFLOAD[mode]) as llm:
         engine = llm.engine
-        assert (engine.kv.streamer is not None) == (mode != "resident")
+        assert (engine.kv.streamer is not None) == mode.startswith(("split", "streamed"))
         assert engine.kv.spec.num_kv_heads == 1  # this rank's share of the 2 kv heads
         procs = engine.workers.procs
+        launched = []
+        launch = engine.runner.launch
+        engine.runner.launch = lambda *a: launched.append(1) or launch(*a)
         assert token_ids(llm) == ref
+        assert bool(launched) == (mode == "resident")
     assert gone(procs)
 
 

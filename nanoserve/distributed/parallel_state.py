@@ -60,6 +60,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place (stream-ordered: no host sync)."""
+    if _size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def agree_min(value: int) -> int:
     """The smallest of every rank's `value`: one figure (a memory budget) all ranks share."""
     if _size == 1:

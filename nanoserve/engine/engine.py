@@ -198,9 +198,9 @@ class LLMEngine:
     def _can_launch_ahead(self) -> bool:
         """Whether the next step may launch before the step in flight is read: a plain decode
         step (no prefill, no preemption) with resident KV, whose sampling reads nothing the
-        host has not seen (no penalties, no logprobs). Not under tensor parallelism: the
-        workers would need the step in flight's tokens, which only rank 0 samples."""
-        return (self.cfg.async_scheduling and self.kv.streamer is None and self.workers is None
+        host has not seen (no penalties, no logprobs). Under tensor parallelism rank 0 sends
+        each launched step's ids to the workers on the device (ModelRunner.launch)."""
+        return (self.cfg.async_scheduling and self.kv.streamer is None
                 and self.scheduler.next_step_is_plain_decode()
                 and all(not s.params.has_penalties and s.params.logprobs is None
                         for s in self.scheduler.running))

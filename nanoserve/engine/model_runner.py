@@ -12,7 +12,7 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
-from nanoserve.distributed.parallel_state import agree_min, tp_size
+from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
 from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
@@ -45,6 +45,7 @@ class ModelRunner:
         None on the workers themselves and without TP. Every rank builds its runner through
         this same code, so their start-up collectives pair up."""
         self.cfg, self.model, self.peers = cfg, model, peers
+        self._worker_tokens: InFlightTokens | None = None  # a TP worker's last launched ids
         self.mcfg = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -143,15 +144,7 @@ class ModelRunner:
         n = len(batch.seqs)
         graphs = self._graphs_for(batch.is_prefill, n)
         step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None)
-        if self.peers is not None:
-            self.peers.send(step)
-        try:
-            logits = self.forward(step.to_device(self.device, self.inputs.pin))
-        except Exception as e:
-            if self.peers is not None:  # the workers ran theirs: the ranks are out of step
-                raise TensorParallelFailure(f"a step failed on rank 0 after its workers took "
-                                            f"it: {type(e).__name__}: {e}") from e
-            raise
+        logits = self._forward_everywhere(step)
         seqs = [s for s, yes in zip(batch.seqs, step.samples, strict=True) if yes]
         if not seqs:
             return [None] * n
@@ -165,11 +158,29 @@ class ModelRunner:
         batch.logprobs = [next(logprobs) if yes else None for yes in step.samples]
         return [next(tokens) if yes else None for yes in step.samples]
 
+    def _forward_everywhere(self, step: HostStep, in_flight: InFlightTokens | None = None
+                            ) -> torch.Tensor:
+        """The step's forward here, and under TP on every worker (sent first)."""
+        if self.peers is None:
+            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
+        self.peers.send(step)
+        try:
+            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
+        except Exception as e:  # the workers run theirs: the ranks are out of step for good
+            raise TensorParallelFailure(f"a step failed on rank 0 after its workers took it: "
+                                        f"{type(e).__name__}: {e}") from e
+
     @torch.inference_mode()
     def execute(self, step: HostStep) -> None:
         """A worker's share of a step rank 0 runs (tensor parallelism): the same forward, no
-        sampling."""
-        self.forward(step.to_device(self.device, self.inputs.pin))
+        sampling. A launched step's ids arrive from rank 0 (async scheduling): the next step's
+        rows that wait for them take them on the device, as rank 0's do."""
+        in_flight = self._worker_tokens if step.uses_in_flight else None
+        self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
+        if step.shares_tokens:
+            rows = len(step.samples)
+            tokens = torch.empty(rows, dtype=torch.int64, device=self.device)
+            self._worker_tokens = InFlightTokens(broadcast_from_rank0(tokens), {})
 
     @torch.inference_mode()
     def launch(self, batch: Batch, in_flight: InFlightTokens | None) -> LaunchedStep:
@@ -178,13 +189,15 @@ class ModelRunner:
         device. No logprobs, no penalties (both read the host's view of the tokens)."""
         n = len(batch.seqs)
         graphs = self._graphs_for(batch.is_prefill, n)
-        inputs = self.inputs.build(batch, graphs.padded_size(n) if graphs else None, in_flight)
-        logits = self.forward(inputs)
+        step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None,
+                                in_flight.rows if in_flight is not None else None)
+        step.shares_tokens = self.peers is not None
+        logits = self._forward_everywhere(step, in_flight)
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         positions = [s.num_tokens + s.num_pending for s in batch.seqs]
         t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
                                    positions=positions)
-        tokens = sample_on_device(logits, t, key_dtype)
+        tokens = broadcast_from_rank0(sample_on_device(logits, t, key_dtype))
         done = None
         host = tokens
         if tokens.is_cuda:

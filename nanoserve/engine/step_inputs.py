@@ -97,6 +97,9 @@ class HostStep:
     load_runs: list[tuple[int, int]] = field(default_factory=list)
     store_runs: list[tuple[int, int]] = field(default_factory=list)
     flush_pages: list[int] = field(default_factory=list)
+    # async scheduling under TP: rank 0 sends this (launched) step's sampled ids to every rank
+    shares_tokens: bool = False
+    uses_in_flight: bool = False  # some rows take the previous launched step's ids
 
     def to_device(self, device: torch.device, pin: bool,
                   in_flight: InFlightTokens | None = None) -> StepInputs:
@@ -151,7 +154,9 @@ class StepInputBuilder:
         row of the launched step's tokens, for the sequences that wait for one."""
         if batch.is_prefill:
             return self._prefill(batch)
-        return self._decode(batch, pad_to or len(batch.seqs), in_flight_rows or {})
+        step = self._decode(batch, pad_to or len(batch.seqs), in_flight_rows or {})
+        step.uses_in_flight = bool((step.arrays["from_step"] >= 0).any())
+        return step
 
     def _prefill(self, batch: Batch) -> HostStep:
         ps = self.page_size
