@@ -2,7 +2,7 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            sampling|fp8|fp8bench|tune|models|moe|tptests|tpbench]...
+#                            sampling|fp8|fp8bench|tune|models|moe|tpsmoke|tptests|tp32k|tp128k]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -15,7 +15,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 what=${*:-tests needle gen bench}
-run() { echo "=== $*"; "$@"; echo "=== rc=$?"; }
+# STEP_TIMEOUT=s: each command stops after s seconds (a hang still leaves the others' output)
+run() { echo "=== $*"; timeout -s ABRT "${STEP_TIMEOUT:-0}" "$@"; echo "=== rc=$?"; }
 B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
@@ -76,16 +77,20 @@ for w in $what; do
         | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
         --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
+    tpsmoke)  # issue 15: TP engines stage by stage (eager, graphs, offload) with timings
+      run python3 tools/tp_smoke.py --tp "$(nvidia-smi -L | wc -l)" --hang-s 90 2>&1 \
+        | grep --line-buffered -v "it/s\]" | tail -40 ;;
     tptests)  # issue 15 (2 or 4 GPUs): needle under TP, offload on == off, graphs == eager
       run python3 -m pytest -q -m gpu tests/test_gpu_tp.py -p no:cacheprovider -s 2>&1 \
-        | grep -v "it/s\]" | tee "$OUT/pytest_tp.log" \
-        | grep -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
-    tpbench)  # issue 15: resident 32K at TP 1, 2(, 4); offloaded 128K, all streamed, TP 1 and max
+        | grep --line-buffered -v "it/s\]" | tee "$OUT/pytest_tp.log" \
+        | grep --line-buffered -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
+    tp32k)  # issue 15: resident 32K at TP 1, 2(, 4), batch 1
       n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
       run $B --input-len 32768 --resident-graph --tensor-parallel-size $sizes \
-        --out "$OUT/tp32k" 2>&1 | grep -v "it/s\]" | tail -12
-      run $B --input-len 131072 --offload-graph --tensor-parallel-size 1,${sizes##*,} \
-        --out "$OUT/tp128k" 2>&1 | grep -v "it/s\]" | tail -10 ;;
+        --out "$OUT/tp32k" 2>&1 | grep --line-buffered -v "it/s\]" | tail -14 ;;
+    tp128k)  # issue 15: offloaded 128K, every layer streamed, TP 1 and every GPU
+      run $B --input-len 131072 --offload-graph --tensor-parallel-size "1,$(nvidia-smi -L | wc -l)" \
+        --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v "it/s\]" | tail -12 ;;
     tune)  # the decode kernel's tiles for bf16 and FP8 KV (nanoserve/attention/triton_decode.py)
       run python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
