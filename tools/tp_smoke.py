@@ -25,13 +25,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--hang-s", type=float, default=120)
+    ap.add_argument("--stages", default="eager,graphs,offload", help="which TP engines to run")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.hang_s, exit=True)
     with LLM(progress=False, max_model_len=2048, max_num_seqs=4) as llm:
         ref = tokens(llm)
     print("TP=1 done", flush=True)
-    for name, kw in (("eager", dict(enforce_eager=True)), ("graphs", {}),
-                     ("offload graphs", dict(enable_offload=True, resident_layers=1))):
+    stages = {"eager": dict(enforce_eager=True), "graphs": {},
+              "offload": dict(enable_offload=True, resident_layers=1)}
+    for name in args.stages.split(","):
+        kw = stages[name]
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
         t0 = time.perf_counter()
         with LLM(progress=False, max_model_len=2048, max_num_seqs=4,

@@ -37,9 +37,15 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> Non
 
 
 def destroy_tp() -> None:
+    """Leaves the group. NCCL communicators are aborted, not destroyed: a destroy waits for
+    the peers (measured: it hangs once decode graphs have captured collectives and the workers
+    are gone), an abort does not; either way a later init_tp may build a new group."""
     global _rank, _size
     if _size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _rank, _size = 0, 1
 
 
