@@ -23,6 +23,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.distributed.parallel_state import abort_tp, destroy_tp, init_tp
+from nanoserve.distributed.parallel_state import abort_tp, init_tp
 
 log = logging.getLogger("nanoserve")
 
@@ -120,7 +121,7 @@ class TPWorkers:
         log.error(self.failure)
         abort_tp()  # a collective waiting for the dead rank fails instead of hanging
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
         """Stops every worker: asked first, then terminated, then killed."""
         self._closing = True
         for conn in self.conns:
@@ -179,5 +180,8 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
         except OSError:
             pass
         os._exit(1)
-    finally:
-        destroy_tp()
+    # stopped: exit without tearing the group down (the kernel frees it; a teardown can wait
+    # on peers that are gone, measured on an H200 x4 with decode graphs alive)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
