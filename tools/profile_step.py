@@ -36,8 +36,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def kernel_split(prof) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
-    ms, count, by_name = defaultdict(float), defaultdict(int), defaultdict(float)
+def kernel_split(prof) -> tuple[dict[str, float], dict[str, int], dict[str, float],
+                                dict[str, int]]:
+    ms, count = defaultdict(float), defaultdict(int)
+    by_name, name_count = defaultdict(float), defaultdict(int)
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -46,11 +48,12 @@ def kernel_split(prof) -> tuple[dict[str, float], dict[str, int], dict[str, floa
         ms[cat] += t
         count[cat] += 1
         by_name[f"{cat:<9} {e.name[:90]}"] += t
-    return ms, count, by_name
+        name_count[f"{cat:<9} {e.name[:90]}"] += 1
+    return ms, count, by_name, name_count
 
 
 def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
-    ms, count, by_name = kernel_split(prof)
+    ms, count, by_name, name_count = kernel_split(prof)
     total = sum(ms.values())
     print(f"\n## {title}: {steps} step(s), wall {wall_ms / steps:.2f} ms/step, "
           f"kernels {total / steps:.2f} ms/step")
@@ -60,7 +63,7 @@ def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
         print(f"| {cat:<10} | {ms[cat] / steps:>9.3f} | {ms[cat] / max(total, 1e-9):>6.1%} | "
               f"{count[cat] / steps:>12.0f} |")
     for name, t in sorted(by_name.items(), key=lambda x: -x[1])[:top]:
-        print(f"    {t / steps:8.3f} ms  {name}")
+        print(f"    {t / steps:8.3f} ms {name_count[name] / steps:6.0f}x  {name}")
 
 
 def sync() -> None:
@@ -92,6 +95,7 @@ def main() -> None:
                     help="BATCHxCONTEXT,... decode workloads ('' to skip)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=12, help="heaviest kernels to list")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py profiles GPU kernels: it needs a CUDA device")
@@ -106,7 +110,8 @@ def main() -> None:
         work.append(("decode", b, n))
     for kind, batch, ctx in work:
         llm = LLM(args.model, progress=False, dummy_weights=True, max_model_len=ctx + 64,
-                  max_num_seqs=batch, enforce_eager=args.enforce_eager)
+                  max_num_seqs=batch, enforce_eager=args.enforce_eager,
+                  kv_cache_dtype=args.kv_cache_dtype)
         engine = llm.engine
         vocab = engine.runner.model.config.vocab_size
 

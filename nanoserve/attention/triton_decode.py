@@ -8,8 +8,9 @@ count depends only on the batch size, so a captured graph stays valid for any co
 FP8 KV (kv/fp8.py) is read as stored and dequantized in registers: e4m3 values convert exactly
 to the query's dtype, and each token's scale multiplies, in float32, its column of q.k (K) and
 its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products, not
-its [tokens, head_dim] values. (Under a float16 model, p * scale may fall to float16's
-subnormals for tokens of negligible weight.)
+its [tokens, head_dim] values. With float16 dots (Tiles.f16_dot) the V scales are taken
+relative to the tile's largest, which multiplies the tile's p.V product instead, so a small
+scale never pushes p * scale into float16's subnormals.
 """
 
 from __future__ import annotations
@@ -101,9 +102,16 @@ def _decode_split_kernel(
         v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # each token's V scale, folded into its column of the probabilities
-            p = p * tl.load(VScale + scale_at, mask=n_mask, other=0.0)[None, :]
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
+            if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
+                v_max = tl.max(v_scale, 0)
+                p = p * (v_scale / v_max)[None, :]
+            else:
+                p = p * v_scale[None, :]
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        if SCALED and F16_DOT:
+            pv = pv * v_max
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     has_work = tile_hi > tile_lo

@@ -10,8 +10,13 @@ outputs with `all_reduce`, inside the decode graphs too (NCCL calls capture into
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("nanoserve")
 
 _rank, _size = 0, 1
 _device = torch.device("cpu")  # where this rank's collectives run (NCCL: its GPU)
@@ -29,6 +34,11 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> Non
     """Joins this process to the tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
     global _rank, _size, _device
     if size > 1:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "the tensor-parallel group of an earlier engine in this process is still up (it "
+                "could not be torn down: a rank had died, or its teardown timed out); start a "
+                "new process to run another tensor-parallel engine")
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
@@ -36,16 +46,28 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> Non
     _rank, _size, _device = rank, size, device
 
 
-def destroy_tp() -> None:
-    """Leaves the group. NCCL communicators are aborted, not destroyed: a destroy waits for
-    the peers (measured: it hangs once decode graphs have captured collectives and the workers
-    are gone), an abort does not; either way a later init_tp may build a new group."""
+def destroy_tp(peers_alive: bool = True, timeout: float = 20.0) -> None:
+    """Leaves the group. NCCL frees a node's communicators together: every rank destroys (or
+    aborts) at the same time, or the calls wait for each other forever (NVIDIA/nccl#863;
+    measured on an H200 x4 with rank 0 alone). So a stopped worker destroys its group while
+    rank 0 destroys its own. With a rank gone (`peers_alive` False), or a teardown that
+    outlasts `timeout`, the group is left to the process's exit instead; init_tp then refuses
+    a new one in this process."""
     global _rank, _size
     if _size > 1 and dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
+        if dist.get_backend() != "nccl":
             dist.destroy_process_group()
+        elif not peers_alive:
+            log.warning("tensor parallelism: a rank is gone, so the NCCL group is left to this "
+                        "process's exit")
+        else:
+            teardown = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                                        name="nanoserve-tp-destroy")
+            teardown.start()
+            teardown.join(timeout)
+            if teardown.is_alive():
+                log.warning("tensor parallelism: the NCCL group's teardown did not finish in "
+                            "%.0f s; it is left to this process's exit", timeout)
     _rank, _size = 0, 1
 
 

@@ -17,6 +17,7 @@ that a collective waiting for the dead rank fails instead of hanging.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.distributed.parallel_state import abort_tp, init_tp
+from nanoserve.distributed.parallel_state import abort_tp, destroy_tp, init_tp
 
 log = logging.getLogger("nanoserve")
 
@@ -121,14 +122,18 @@ class TPWorkers:
         log.error(self.failure)
         abort_tp()  # a collective waiting for the dead rank fails instead of hanging
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops every worker: asked first, then terminated, then killed."""
+    def stop(self) -> None:
+        """Asks every worker to leave the group and exit (rank 0 leaves it at the same time:
+        parallel_state.destroy_tp)."""
         self._closing = True
         for conn in self.conns:
             try:
                 conn.send_bytes(STOP)
             except OSError:
                 pass
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Waits for the stopped workers; terminates, then kills, one that outlasts `timeout`."""
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
@@ -171,6 +176,13 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
         conn.send(("ready", None))
         while (data := conn.recv_bytes()) != STOP:
             runner.execute(pickle.loads(data))
+        # stopped: leave the group together with rank 0, graphs (and their captured
+        # collectives) released first
+        del runner, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        destroy_tp()
     except EOFError:  # rank 0 closed the pipe: it is gone
         pass
     except BaseException as e:
@@ -180,8 +192,6 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
         except OSError:
             pass
         os._exit(1)
-    # stopped: exit without tearing the group down (the kernel frees it; a teardown can wait
-    # on peers that are gone, measured on an H200 x4 with decode graphs alive)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import replace
@@ -100,11 +101,20 @@ class LLMEngine:
         return self.workers.failure if self.workers is not None else None
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers, if any, and leaves the group. Idempotent."""
-        if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
-            destroy_tp()
+        """Stops the tensor-parallel workers, if any, and leaves the group with them (every
+        rank at once: see parallel_state.destroy_tp). Idempotent; no step runs after it."""
+        workers, self.workers = self.workers, None
+        if workers is None:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None:  # decode graphs hold captured collectives: released first
+            runner.graphs = None
+            gc.collect()
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+        workers.stop()
+        destroy_tp(peers_alive=workers.failure is None)
+        workers.join()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; InvalidParameter("prompt") otherwise."""
