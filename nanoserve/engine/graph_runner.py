@@ -38,7 +38,7 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.full((n,), DUMMY_PAGE * page_size, **i64)
         self.context_lens = torch.ones(n, **i32)
         self.page_tables = torch.full((n, max_pages), DUMMY_PAGE, **i32)
-        self.hidden = torch.zeros(n, model.config.hidden_size,
+        self.hidden = torch.zeros(2, n, model.config.hidden_size,  # (stream, pending delta)
                                   dtype=next(model.parameters()).dtype, device=device)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
         streamer = executor.streamer
@@ -53,7 +53,8 @@ class DecodeGraphRunner:
                                  context_lens=self.context_lens[:bs])
             backend.prepare_capture(ctx, bs)
             state = StepState(self.input_ids[:bs], self.positions[:bs],
-                              hidden=self.hidden[:bs], logits=self.logits[:bs])
+                              hidden=(self.hidden[0, :bs], self.hidden[1, :bs]),
+                              logits=self.logits[:bs])
             segments = executor.segments(state)
             plan = self._static_plan(bs)
             with forward_context(ctx):

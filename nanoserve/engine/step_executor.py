@@ -27,19 +27,26 @@ Segment = Callable[[], None]
 
 
 class StepState:
-    """A step's tensors as the segments pass them on. `hidden` and `logits` are the fixed
-    buffers a captured graph writes into; None (eager) lets each segment allocate."""
+    """A step's tensors as the segments pass them on: the residual stream (`hidden`) and the
+    last layer's MLP output not yet added to it (`delta`), then the logits. The buffers given
+    are the fixed ones a captured graph writes into; None (eager) lets each segment allocate."""
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 sample_rows: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                 sample_rows: torch.Tensor | None = None,
+                 hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
                  logits: torch.Tensor | None = None) -> None:
         self.input_ids, self.positions, self.sample_rows = input_ids, positions, sample_rows
-        self._hidden_buf, self._logits_buf = hidden, logits
-        self.hidden = hidden
+        self._hidden_bufs, self._logits_buf = hidden, logits
+        self.hidden, self.delta = hidden if hidden is not None else (None, None)
         self.logits = logits
 
-    def put_hidden(self, x: torch.Tensor) -> None:
-        self.hidden = x if self._hidden_buf is None else self._hidden_buf.copy_(x)
+    def put_hidden(self, x: torch.Tensor, delta: torch.Tensor | None) -> None:
+        """delta None: nothing pending (no layer ran yet: every layer is streamed)."""
+        if self._hidden_bufs is None:
+            self.hidden, self.delta = x, delta
+            return
+        self.hidden = self._hidden_bufs[0].copy_(x)
+        self.delta = None if delta is None else self._hidden_bufs[1].copy_(delta)
 
     def put_logits(self, x: torch.Tensor) -> None:
         self.logits = x if self._logits_buf is None else self._logits_buf.copy_(x)
@@ -54,25 +61,26 @@ class StepExecutor:
         first = self.first_streamed if self.streamer is not None else len(layers)
 
         def head() -> None:
-            x = self.model.embed(state.input_ids)
+            x, delta = self.model.embed(state.input_ids), None
             for layer in layers[:first]:
-                x = layer(state.positions, x)
-            state.put_hidden(x)
+                x, delta = layer(state.positions, x, delta)
+            state.put_hidden(x, delta)
             if self.streamer is None:
                 logits_of_hidden()
 
         def streamed(j: int) -> Segment:
             def run() -> None:
                 self.streamer.tail_in(j)
-                state.put_hidden(layers[first + j](state.positions, state.hidden))
+                state.put_hidden(*layers[first + j](state.positions, state.hidden, state.delta))
                 self.streamer.tail_out(j)
             return run
 
         def logits_of_hidden() -> None:
-            h = state.hidden
+            h, delta = state.hidden, state.delta
             if state.sample_rows is not None:
-                h = h.index_select(0, state.sample_rows)
-            state.put_logits(self.model.head(h))
+                h, delta = h.index_select(0, state.sample_rows), \
+                    delta.index_select(0, state.sample_rows)
+            state.put_logits(self.model.head(h, delta))
 
         if self.streamer is None:
             return [head]

@@ -102,10 +102,17 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
             shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1], cfg.norm_topk_prob)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.mlp(h)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, delta: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; delta: the previous layer's MLP output, not yet added (None
+        before the first layer). Each residual add runs in the kernel of the norm after it, so
+        this returns (x, its MLP output) for the next layer (or the head) to add."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(positions, h))
+        return x, self.mlp(h)
 
 
 class DecoderBody(nn.Module):
@@ -142,7 +149,8 @@ class CausalLM(nn.Module):
             if isinstance(module, SparseMoE):
                 module.backend = backend
 
-    # The step executor composes a step from these three: embed, layers, head.
+    # The step executor composes a step from these three: embed, layers (each passing the
+    # residual stream and its pending MLP output on), head.
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
@@ -150,10 +158,12 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, vocab] of (un-normalized) last-layer hidden states, the whole
-        vocabulary on every rank."""
-        logits = all_gather(self.lm_head(self.model.norm(hidden)))
+        vocabulary on every rank; `delta`: the last layer's MLP output, added here."""
+        norm = self.model.norm
+        h = norm(hidden) if delta is None else norm.add_forward(hidden, delta)[1]
+        logits = all_gather(self.lm_head(h))
         if logits.shape[-1] != self.config.vocab_size:  # TP: the vocabulary's padding
             logits = logits[:, :self.config.vocab_size]
         return logits.float()
@@ -161,7 +171,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states of every input token, every layer resident (the engine runs
         steps through its step executor; this serves memory profiling and tests)."""
-        h = self.embed(input_ids)
+        h, delta = self.embed(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return h
+            h, delta = layer(positions, h, delta)
+        return h + delta
