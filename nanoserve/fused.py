@@ -31,6 +31,11 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def is_enabled() -> bool:
+    """Whether fused kernels (these, and the hand-written ones that replace several ops) run."""
+    return _enabled
+
+
 def fused(fn: F) -> F:
     compiled = None
 

@@ -70,13 +70,14 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def capture_qkv(llm: LLM, token_ids: list[int]) -> dict[int, tuple]:
-    """Each layer's q, k, v of a one-chunk prefill of `token_ids`."""
+    """Each layer's q, k (rotated), v of a one-chunk prefill of `token_ids`."""
     got = {}
     layers = llm.engine.runner.model.attention_layers
     for attn in layers:
-        def record(q, k, v, attn=attn, f=attn.forward):
-            got[attn.layer_id] = (q.float().clone(), k.float().clone(), v.float().clone())
-            return f(q, k, v)
+        def record(positions, q, k, v, attn=attn, f=attn.forward):
+            qr, kr = attn.rotate(positions, q, k)
+            got[attn.layer_id] = (qr.float().clone(), kr.float().clone(), v.float().clone())
+            return f(positions, q, k, v)
         attn.forward = record
     try:
         engine_prefill_logits(llm, token_ids)

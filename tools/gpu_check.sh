@@ -38,7 +38,7 @@ for w in $what; do
       run $B --input-len 512 --batch-size 64 --output-len 32 --resident-graph \
         --out "$OUT/prefill64" 2>&1 | grep -v "it/s\]" | tail -6 ;;
     profile)  # a step's kernel time by category (docs/perf-notes.md)
-      run python3 tools/profile_step.py --prefill 32768 --decode 1x32768,64x512 --top 8 2>&1 \
+      run python3 tools/profile_step.py ${PROFILE_ARGS:---prefill 32768 --decode 1x32768,64x512 --top 8} 2>&1 \
         | grep -v "it/s\]\|arn" | tee "$OUT/profile.log" ;;
     stall)  # issue 17: a stream's largest gap while a 32K prompt arrives (before: a tree of an
             # earlier commit in .before86, if carried, runs this bench against its engine)
@@ -52,7 +52,7 @@ for w in $what; do
       fi ;;
     decode)  # issue 17: TPOT at batch 1 / 32K and 64 x 512, async scheduling on and off
       for i in ${REPS:-1}; do
-        for a in "" --sync-scheduling; do
+        for a in "" ${DECODE_SYNC---sync-scheduling}; do  # DECODE_SYNC= : async only
           run $B --input-len 32768 --output-len 128 --resident-graph $a --out "$OUT/dec1$a$i" \
             2>&1 | grep -v "it/s\]" | tail -1
           run $B --input-len 512 --batch-size 64 --output-len 128 --resident-graph $a \

@@ -38,15 +38,17 @@ class AttentionBackend(ABC):
         """Default: backends whose metadata is only the context's own fixed tensors."""
         return None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
-        """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d]. Writes k, v into the cache first.
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, layer) -> torch.Tensor:
+        """q: [tokens, heads, d]; k, v: [tokens, kv_heads, d], q and k before the rotary
+        embedding. Rotates q, k and writes k, v into the cache first.
 
         A cache that stores K/V in another dtype (FP8, or bf16 under an fp32 model) is lossy:
         a prefill chunk then attends to its own K/V as stored, as decode does, so a token's
         attention never depends on which chunk (or which request, for a reused prefix)
         computed the keys it sees. (vLLM lets a chunk see its own K/V unquantized instead.)"""
         ctx = get_context()
-        store_kv(k, v, layer, ctx.slot_mapping)
+        q, k = self.rotate_and_store(positions, q, k, v, layer, ctx.slot_mapping)
         if ctx.is_prefill and layer.k_cache.dtype != k.dtype:
             k, v = read_kv(layer, ctx.slot_mapping, k.dtype)
         if ctx.parts is not None:
@@ -57,6 +59,14 @@ class AttentionBackend(ABC):
         if ctx.is_prefill:
             return self.prefill(q, k, v, layer, ctx)
         return self.decode(q, layer, ctx)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, layer, slot_mapping: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k rotated (layer.rotate); k, v stored in their slots. Backends may fuse it."""
+        q, k = layer.rotate(positions, q, k)
+        store_kv(k, v, layer, slot_mapping)
+        return q, k
 
     @abstractmethod
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor: ...

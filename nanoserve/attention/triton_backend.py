@@ -1,5 +1,6 @@
-"""Default CUDA backend: prefill through cuDNN (FA2 varlen for batches of short prompts; see
-attention/prefill.py), decode through the Triton split-KV kernel."""
+"""Default CUDA backend: q/k norm, rotary embedding and the KV store in one Triton kernel,
+prefill through cuDNN (FA2 varlen for batches of short prompts; see attention/prefill.py),
+decode through the Triton split-KV kernel."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve import fused
 from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.prefill import paged_prefill, use_varlen, varlen_prefill
 from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+from nanoserve.attention.triton_rope_store import rope_and_store
 from nanoserve.context import AttentionMetadata, ForwardContext
 
 
@@ -47,6 +50,18 @@ class TritonBackend(AttentionBackend):
             bs = ctx.context_lens.shape[0]
             ctx.attn_meta = TritonDecodeMetadata(
                 num_splits_for(bs, self.num_kv_heads, self.max_len, self.num_sms))
+
+    def rotate_and_store(self, positions, q, k, v, layer, slot_mapping):
+        """One kernel (attention/triton_rope_store.py) where the cache holds the model's dtype
+        or FP8, unless fusion is off (the unfused path is its reference)."""
+        if not fused.is_enabled() or q.dtype not in (torch.bfloat16, torch.float16) or \
+                (layer.k_scale is None and layer.k_cache.dtype != q.dtype):
+            return super().rotate_and_store(positions, q, k, v, layer, slot_mapping)
+        norm = layer.qk_norm
+        return rope_and_store(
+            q, k, v, layer.rotary[0].cos_sin, positions,
+            None if norm is None else (norm[0].weight, norm[1].weight, norm[0].eps),
+            layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale, slot_mapping)
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         m = ctx.attn_meta

@@ -35,21 +35,37 @@ from nanoserve.models.parallel import VocabParallelEmbedding
 
 
 class Attention(nn.Module):
-    """The attention op over the paged KV cache. Its KV source (`k_cache`, `v_cache` and, for
-    FP8 KV, `k_scale`, `v_scale`) is bound by the engine: the resident page pool, or a ring slot
-    on the offloaded path."""
+    """The attention op over the paged KV cache, from q, k before the rotary embedding (and
+    Qwen3's q/k norm): the backend rotates them and stores k, v on its way in, in one kernel
+    where it can (attention/triton_rope_store.py). Its KV source (`k_cache`, `v_cache` and,
+    for FP8 KV, `k_scale`, `v_scale`) is bound by the engine: the resident page pool, or a
+    ring slot on the offloaded path."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, qk_norm: tuple[RMSNorm, RMSNorm] | None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        # shared with (and registered in) the enclosing modules: lists keep them unregistered
+        self.rotary = [rotary]
+        self.qk_norm = list(qk_norm) if qk_norm is not None else None
         self.k_cache = self.v_cache = torch.empty(0)  # [num_pages, page_size, kv_heads, head_dim]
         self.k_scale = self.v_scale = None  # FP8 KV: [num_pages, page_size, kv_heads] float32
         self.backend = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self)
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k normed (Qwen3) and rotated, unfused: the reference of the fused kernel."""
+        if self.qk_norm is None:
+            return self.rotary[0](positions, q, k)
+        q_norm, k_norm = self.qk_norm
+        return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                            self.rotary[0].cos_sin, positions)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(positions, q, k, v, self)
 
 
 class SelfAttention(nn.Module):
@@ -64,20 +80,14 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = [rotary]  # a list: shared, and not registered as a submodule
-        self.attn = Attention(layer_id, heads, kv_heads, d)
+        self.attn = Attention(layer_id, heads, kv_heads, d, rotary,
+                              (self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         d = self.attn.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(-1, self.attn.num_heads, d), k.view(-1, self.attn.num_kv_heads, d), \
-            v.view(-1, self.attn.num_kv_heads, d)
-        if hasattr(self, "q_norm"):
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary[0].cos_sin, positions)
-        else:
-            q, k = self.rotary[0](positions, q, k)
-        o = self.attn(q, k, v)
+        o = self.attn(positions, q.view(-1, self.attn.num_heads, d),
+                      k.view(-1, self.attn.num_kv_heads, d), v.view(-1, self.attn.num_kv_heads, d))
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 

@@ -1,0 +1,78 @@
+"""GPU: the fused q/k norm + rotary + KV store kernel (attention/triton_rope_store.py) against
+the unfused path it replaces (layers.qk_norm_rope / rope eagerly, then the store): q and k
+within one bfloat16 rounding of the reference, and the cache holding exactly the kernel's own k
+and the input v, cast or quantized bit for bit as kv/fp8.quantize does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.kv.fp8 import FP8, quantize
+from nanoserve.models.layers import qk_norm_rope, rope
+
+pytestmark = pytest.mark.gpu
+
+D, MAX_LEN, PAGE = 128, 40000, 16
+
+
+def within_one_rounding(a: torch.Tensor, ref: torch.Tensor) -> None:
+    """The bound test_gpu_fused.py holds inductor's kernels to: where the float32 math differs
+    by ulps (rsqrt, summation order), each bf16 rounding may land one step apart (two steps at
+    most, 2^-6 relative; RoPE's outputs near zero come from cancellation, so the bound adds the
+    tensor's mean magnitude), and rarely."""
+    diff, scale = (a.float() - ref.float()).abs(), ref.float().abs()
+    assert (diff <= (scale + scale.mean()) * 2**-6).all(), (diff / (scale + scale.mean())).max()
+    assert (diff > 0).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rope_only"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_rope_and_store_matches_the_unfused_path(tokens, heads, kv_heads, norm, cache):
+    from nanoserve.attention.triton_rope_store import rope_and_store  # Triton: CUDA only
+
+    g = torch.Generator(device="cuda").manual_seed(tokens * 100 + heads)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=g).mul(scale).bfloat16()
+
+    t = torch.arange(MAX_LEN, device="cuda").float()[:, None] * \
+        (1e-4 ** (torch.arange(0, D, 2, device="cuda") / D))
+    cos_sin = torch.cat([t.cos(), t.sin()], -1)
+    positions = torch.randint(0, MAX_LEN, (tokens,), device="cuda", generator=g)
+    qkv = r(tokens, (heads + 2 * kv_heads) * D, scale=3.0)  # strided views, as the layer's
+    q = qkv[:, :heads * D].view(tokens, heads, D)
+    k = qkv[:, heads * D:(heads + kv_heads) * D].view(tokens, kv_heads, D)
+    v = qkv[:, (heads + kv_heads) * D:].view(tokens, kv_heads, D)
+    weights = (r(D, scale=0.1) + 1, r(D, scale=0.1) + 1, 1e-6) if norm else None
+
+    pages = tokens // PAGE + 4
+    dtype = FP8 if cache == "fp8" else torch.bfloat16
+    k_cache = torch.zeros(pages, PAGE, kv_heads, D, device="cuda").to(dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = (torch.zeros(pages, PAGE, kv_heads, device="cuda"),
+              torch.zeros(pages, PAGE, kv_heads, device="cuda")) if cache == "fp8" \
+        else (None, None)
+    slots = torch.randperm(pages * PAGE, device="cuda", generator=g)[:tokens]
+
+    q_out, k_out = rope_and_store(q, k, v, cos_sin, positions, weights, k_cache, v_cache,
+                                  *scales, slots)
+    q_ref, k_ref = qk_norm_rope.eager(q, k, *weights, cos_sin, positions) if norm else \
+        rope.eager(q, k, cos_sin, positions)
+    within_one_rounding(q_out, q_ref)
+    within_one_rounding(k_out, k_ref)
+
+    page, offset = slots // PAGE, slots % PAGE
+    if cache == "bf16":
+        assert torch.equal(k_cache[page, offset], k_out)
+        assert torch.equal(v_cache[page, offset], v)
+    else:
+        for stored, scale, x in ((k_cache, scales[0], k_out), (v_cache, scales[1], v)):
+            values, ref_scale = quantize(x)
+            assert torch.equal(stored[page, offset].view(torch.uint8), values.view(torch.uint8))
+            assert torch.equal(scale[page, offset], ref_scale)
+    untouched = torch.ones(pages * PAGE, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert (k_cache.view(-1, kv_heads, D)[untouched].float() == 0).all()
