@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 import time
 
@@ -28,11 +29,14 @@ def main() -> None:
     ap.add_argument("--stages", default="eager,graphs,offload", help="which TP engines to run")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.hang_s, exit=True)
+    # each worker prints its own stacks shortly before rank 0 gives up (workers.worker_main)
+    os.environ["NANOSERVE_TP_HANG_DUMP_S"] = str(max(1.0, args.hang_s - 15))
     with LLM(progress=False, max_model_len=2048, max_num_seqs=4) as llm:
         ref = tokens(llm)
     print("TP=1 done", flush=True)
     stages = {"eager": dict(enforce_eager=True), "graphs": {},
-              "offload": dict(enable_offload=True, resident_layers=1)}
+              "offload": dict(enable_offload=True, resident_layers=1),
+              "offload-eager": dict(enable_offload=True, resident_layers=1, enforce_eager=True)}
     for name in args.stages.split(","):
         kw = stages[name]
         faulthandler.dump_traceback_later(args.hang_s, exit=True)

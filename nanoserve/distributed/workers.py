@@ -17,6 +17,7 @@ that a collective waiting for the dead rank fails instead of hanging.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import logging
 import multiprocessing as mp
@@ -65,7 +66,11 @@ class TPWorkers:
         ctx = mp.get_context("spawn")
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
-        env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}  # no NVLS multicast
+        # no NVLink multicast, in NCCL or in symmetric memory (it can take a shared host's
+        # GPUs down), unless the user asks for it
+        env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST":
+                   os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")}
         os.environ.update(env)  # rank 0's own communicator, and the children's (inherited)
         for rank in range(1, size):
             parent, child = ctx.Pipe()
@@ -161,6 +166,8 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
                 max_model_len: int, conn: Connection, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hang_s := os.environ.get("NANOSERVE_TP_HANG_DUMP_S"):  # diagnostics: a hang's stacks
+        faulthandler.dump_traceback_later(float(hang_s), exit=False)
     logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
     from nanoserve.engine.model_runner import ModelRunner
     from nanoserve.models.loader import load_model
