@@ -60,6 +60,7 @@ def main() -> None:
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
             for tiles, mult in itertools.product(candidates, (1, 2)):
+                tiles = tiles._replace(split_factor=1)  # the multiplier is `mult` here
                 splits = min(base * mult, triton.cdiv(ctx, tiles.block_n))
                 try:
                     us = 1e3 * triton.testing.do_bench(lambda: paged_decode_attention(  # noqa: B023
@@ -70,7 +71,9 @@ def main() -> None:
                     continue
                 results.append((us, tiles, mult))
             results.sort(key=lambda r: r[0])
-            default = next(r for r in results if r[1] == TILES[name] and r[2] == 1)
+            current = TILES[name]
+            default = next(r for r in results if r[1] == current._replace(split_factor=1)
+                           and r[2] == current.split_factor)
             best = results[0]
             print(f"{name:7s} {shape:>9s} floor {floor_us:7.1f} us | default {default[1]} "
                   f"{default[0]:7.1f} us ({default[0] / floor_us:.2f}x) | best {best[1]} "

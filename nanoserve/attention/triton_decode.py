@@ -25,19 +25,22 @@ BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
 
 class Tiles(NamedTuple):
-    """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages; and for FP8 KV
+    """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages; for FP8 KV
     whether the dots run in float16 (e4m3 converts to float16 in one instruction, to bfloat16
-    not; q and the probabilities are rounded to float16 then, not to the model's dtype)."""
+    not; q and the probabilities are rounded to float16 then, not to the model's dtype); and
+    how many times the caller's split count (num_splits_for) to launch."""
     block_n: int
     num_warps: int
     num_stages: int
     f16_dot: bool = False
+    split_factor: int = 1
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py (Qwen3-8B shape): bf16 KV
 # is best at 64-token tiles at every shape; FP8's 128-token tiles halve its time at 32K
-# (112 -> 52 us a layer; 64 x 512: 66 -> 50 us)
-TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(128, 4, 4)}
+# (112 -> 52 us a layer; 64 x 512: 66 -> 50 us), and twice the splits take 32K to 49.6 us and
+# 128K from 160 to 145 us (float16 dots: no faster, 146.5 us)
+TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(128, 4, 2, split_factor=2)}
 
 
 @triton.jit
@@ -170,6 +173,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     scaled = k_scale is not None
     tiles = tiles or TILES["fp8" if scaled else "default"]
+    num_splits *= tiles.split_factor
     if scaled:
         assert k_scale.stride() == v_scale.stride()
     else:  # never read: the unscaled kernel has no scale loads
