@@ -53,8 +53,7 @@ def destroy_tp(peers_alive: bool = True, timeout: float = 20.0) -> None:
     rank 0 destroys its own. With a rank gone (`peers_alive` False), or a teardown that
     outlasts `timeout`, the group is left to the process's exit instead; init_tp then refuses
     a new one in this process."""
-    global _rank, _size, _one_shot
-    _one_shot = None
+    global _rank, _size
     if _size > 1 and dist.is_initialized():
         if dist.get_backend() != "nccl":
             dist.destroy_process_group()
@@ -83,60 +82,10 @@ def abort_tp() -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks, in place; `x` itself at TP=1. Decode-sized sums go
-    through the one-shot kernel where it is set up (enable_one_shot_all_reduce)."""
+    """The sum of `x` over the ranks, in place; `x` itself at TP=1."""
     if _size > 1:
-        if _one_shot is not None and _one_shot.fits(x):
-            _one_shot(x)
-        else:
-            dist.all_reduce(x)
+        dist.all_reduce(x)
     return x
-
-
-class OneShotAllReduce:
-    """Small all-reduces in one kernel over symmetric memory (torch's symm_mem ops, P2P over
-    NVLink): each rank copies its partial sum into its own buffer, waits for all, reads every
-    peer's and adds, then waits again before the buffer may be reused. At decode sizes (8 KB
-    to 1 MB) NCCL's ring takes tens of microseconds per call, twice per layer; this takes a
-    few. No NVLink multicast is used (TORCH_SYMM_MEM_DISABLE_MULTICAST stays set)."""
-
-    def __init__(self, dtype: torch.dtype, max_bytes: int, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.dtype = dtype
-        self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)  # collective, once
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.is_contiguous() and x.numel() <= self.buffer.numel()
-
-    def __call__(self, x: torch.Tensor) -> None:
-        staging = self.buffer[:x.numel()].view(x.shape)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, x)
-
-
-_one_shot: OneShotAllReduce | None = None
-
-
-def enable_one_shot_all_reduce(dtype: torch.dtype, max_bytes: int) -> bool:
-    """Sets up OneShotAllReduce for sums of up to `max_bytes` in `dtype` (NCCL above) on every
-    rank, or on none: a rank that cannot (no symmetric memory, no P2P) turns it off for all.
-    Collective: every rank calls it at the same point. Returns whether it is on."""
-    global _one_shot
-    _one_shot = None
-    if _size == 1 or _device.type != "cuda":
-        return False
-    try:
-        candidate = OneShotAllReduce(dtype, max_bytes, _device)
-        ok = 1
-    except Exception as e:  # noqa: BLE001 - any failure means NCCL for every size
-        log.warning("tensor parallelism: one-shot all-reduce unavailable (%s); NCCL for all "
-                    "sizes", e)
-        candidate, ok = None, 0
-    if agree_min(ok):
-        _one_shot = candidate
-    return _one_shot is not None
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:

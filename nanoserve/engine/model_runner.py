@@ -12,12 +12,7 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
-from nanoserve.distributed.parallel_state import (
-    agree_min,
-    broadcast_from_rank0,
-    enable_one_shot_all_reduce,
-    tp_size,
-)
+from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
 from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
@@ -32,10 +27,6 @@ from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling_params import SamplingParams
-
-# decode steps of up to this many rows sum their partial outputs with the one-shot kernel
-# (parallel_state.OneShotAllReduce): 1 MiB at a hidden size of 4096 in bf16
-ONE_SHOT_MAX_ROWS = 128
 
 
 @dataclass
@@ -86,9 +77,6 @@ class ModelRunner:
         self.inputs = StepInputBuilder(cfg.page_size, self.device,
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
-        if tp_size() > 1:  # decode steps' partial sums: up to the largest graph's rows
-            enable_one_shot_all_reduce(self.dtype, ONE_SHOT_MAX_ROWS * self.mcfg.hidden_size
-                                       * self.dtype.itemsize)
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
         self.graphs: DecodeGraphRunner | None = None
