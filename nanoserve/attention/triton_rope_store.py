@@ -1,13 +1,12 @@
 """The work between the qkv projection and attention, in one Triton kernel per layer: for each
 new token, Qwen3's per-head RMSNorm of q and k (when the model has it), the rotary embedding of
-q and k, and the store of k and v into the token's page slot (cast, or FP8-quantized with its
-scale). Unfused, the same work takes three to four kernels (layers.qk_norm_rope or rope, then
-one store per cache, or the FP8 store kernel): at decode each is a launch of a few
-microseconds for a few kilobytes.
+q and k, and the store of k and v into the token's page slot. Unfused, the same work takes up to
+eight kernels (inductor's for layers.qk_norm_rope, then one store per cache): at decode each is
+a launch of a few microseconds for a few kilobytes.
 
 The math is layers.qk_norm_rope's (statistics and rotation in float32, rounded where it
-rounds), which tests/test_gpu_fused.py holds it to; the FP8 quantization is kv/fp8.quantize's,
-bit for bit on the same input (IEEE division, round to nearest even).
+rounds); tests/test_gpu_rope_store.py holds it to the unfused path. FP8 caches keep the
+unfused path (their store kernel: attention/triton_kv_store.py).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from nanoserve.kv.fp8 import FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -39,43 +36,24 @@ def _norm_rope(x1, x2, W, cos, sin, offs_d, d_mask, eps, HAS_NORM: tl.constexpr,
 
 
 @triton.jit
-def _store_halves(x1, x2, Cache, Scales, page, offset, offs_h, offs_d, mask, h_mask,
-                  stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """One token's kv heads [BLOCK_H, BLOCK_HALF] x 2 halves into its slot: cast, or as e4m3
-    with one scale per head (kv/fp8.quantize)."""
+def _store_halves(x1, x2, Cache, page, offset, offs_h, offs_d, mask,
+                  stride_cp, stride_ct, stride_ch, HALF: tl.constexpr):
+    """One token's kv heads [BLOCK_H, BLOCK_HALF] x 2 halves into its slot."""
     at = Cache + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch \
         + offs_d[None, :]
-    if FP8:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.where(mask, tl.abs(f1), 0.0), 1),
-                          tl.max(tl.where(mask, tl.abs(f2), 0.0), 1))
-        scale = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)),
-                           MIN_SCALE)
-        s = tl.broadcast_to(scale[:, None], (BLOCK_H, BLOCK_HALF))
-        q1 = tl.minimum(tl.maximum(tl.div_rn(f1, s), -FP8_MAX), FP8_MAX)
-        q2 = tl.minimum(tl.maximum(tl.div_rn(f2, s), -FP8_MAX), FP8_MAX)
-        ty = Cache.dtype.element_ty
-        tl.store(at, q1.to(ty, fp_downcast_rounding="rtne"), mask=mask)
-        tl.store(at + HALF, q2.to(ty, fp_downcast_rounding="rtne"), mask=mask)
-        tl.store(Scales + page * stride_sp + offset * stride_st + offs_h * stride_sh, scale,
-                 mask=h_mask)
-    else:
-        tl.store(at, x1.to(Cache.dtype.element_ty), mask=mask)
-        tl.store(at + HALF, x2.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(at, x1.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(at + HALF, x2.to(Cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_store_kernel(
-    Q, K, V, QOut, KOut, CosSin, Positions, QW, KW, KCache, VCache, KScale, VScale, Slots, eps,
+    Q, K, V, QOut, KOut, CosSin, Positions, QW, KW, KCache, VCache, Slots, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-    stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh,
+    stride_cp, stride_ct, stride_ch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
@@ -107,54 +85,43 @@ def _rope_store_kernel(
 
     slot = tl.load(Slots + t)
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-    _store_halves(k1, k2, KCache, KScale, page, offset, offs_k, offs_d, kv_mask, k_in,
-                  stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh, HALF,
-                  BLOCK_KH, BLOCK_HALF, FP8, FP8_MAX, MIN_SCALE)
+    _store_halves(k1, k2, KCache, page, offset, offs_k, offs_d, kv_mask,
+                  stride_cp, stride_ct, stride_ch, HALF)
     at = V + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :]
     _store_halves(tl.load(at, mask=kv_mask, other=0.0),
-                  tl.load(at + HALF, mask=kv_mask, other=0.0), VCache, VScale, page, offset,
-                  offs_k, offs_d, kv_mask, k_in,
-                  stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh, HALF,
-                  BLOCK_KH, BLOCK_HALF, FP8, FP8_MAX, MIN_SCALE)
+                  tl.load(at + HALF, mask=kv_mask, other=0.0), VCache, page, offset,
+                  offs_k, offs_d, kv_mask, stride_cp, stride_ct, stride_ch, HALF)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                    positions: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float]
                    | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, d], k, v [tokens, kv_heads, d] (views of the qkv projection's output
     are fine: rows may be strided, head_dim contiguous); cos_sin [positions, d] float32;
     qk_norm: (q weight, k weight, eps) or None. Stores k (rotated) and v in their slots of the
-    caches [pages, page_size, kv_heads, d] (FP8 caches: with their scales [pages, page_size,
-    kv_heads]) and returns (q, k) rotated, contiguous."""
+    caches [pages, page_size, kv_heads, d] (in q's dtype) and returns (q, k) rotated,
+    contiguous."""
     tokens, heads, d = q.shape
     kv_heads = k.shape[1]
     assert d % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.dtype == q.dtype
     q_out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, kv_heads, d, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
-    fp8 = k_scale is not None
-    if fp8:
-        assert k_scale.stride() == v_scale.stride()
-        scale_strides = k_scale.stride()[:3]
-    else:  # never read
-        k_scale = v_scale = k_cache
-        scale_strides = (0, 0, 0)
     q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     half = d // 2
     _rope_store_kernel[(tokens,)](
-        q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, k_scale, v_scale,
-        slot_mapping, eps,
+        q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, slot_mapping,
+        eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEADS=heads, KV_HEADS=kv_heads, BLOCK_QH=triton.next_power_of_2(heads),
         BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
-        HAS_NORM=qk_norm is not None, FP8=fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=4,
+        HAS_NORM=qk_norm is not None, num_warps=4,
     )
     return q_out, k_out
