@@ -106,14 +106,15 @@ class LLMEngine:
         workers, self.workers = self.workers, None
         if workers is None:
             return
+        alive = workers.failure is None
         runner = getattr(self, "runner", None)
         if runner is not None:  # decode graphs hold captured collectives: released first
             runner.graphs = None
             gc.collect()
-            if runner.device.type == "cuda":
+            if alive and runner.device.type == "cuda":  # (with a rank gone it may never end)
                 torch.cuda.synchronize(runner.device)
         workers.stop()
-        destroy_tp(peers_alive=workers.failure is None)
+        destroy_tp(peers_alive=alive)
         workers.join()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
