@@ -36,13 +36,15 @@ def _norm_rope(x1, x2, W, cos, sin, offs_d, d_mask, eps, HAS_NORM: tl.constexpr,
 
 
 @triton.jit
-def _store_halves(x1, x2, Cache, page, offset, offs_h, offs_d, mask,
-                  stride_cp, stride_ct, stride_ch, HALF: tl.constexpr):
-    """One token's kv heads [BLOCK_H, BLOCK_HALF] x 2 halves into its slot."""
-    at = Cache + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch \
-        + offs_d[None, :]
-    tl.store(at, x1.to(Cache.dtype.element_ty), mask=mask)
-    tl.store(at + HALF, x2.to(Cache.dtype.element_ty), mask=mask)
+def _load_halves(at, mask, HALF: tl.constexpr):
+    """Rows of heads at pointers `at` (their first halves) as two [BLOCK_H, BLOCK_HALF]."""
+    return tl.load(at, mask=mask, other=0.0), tl.load(at + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_halves(x1, x2, at, mask, HALF: tl.constexpr):
+    tl.store(at, x1.to(at.dtype.element_ty), mask=mask)
+    tl.store(at + HALF, x2.to(at.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,33 +66,27 @@ def _rope_store_kernel(
 
     offs_q = tl.arange(0, BLOCK_QH)
     q_mask = (offs_q < HEADS)[:, None] & d_mask[None, :]
-    at = Q + t * stride_qt + offs_q[:, None] * stride_qh + offs_d[None, :]
-    q1, q2 = _norm_rope(tl.load(at, mask=q_mask, other=0.0),
-                        tl.load(at + HALF, mask=q_mask, other=0.0), QW, cos, sin, offs_d,
-                        d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
-    at = QOut + t * stride_qot + offs_q[:, None] * stride_qoh + offs_d[None, :]
-    tl.store(at, q1, mask=q_mask)
-    tl.store(at + HALF, q2, mask=q_mask)
+    q1, q2 = _load_halves(Q + t * stride_qt + offs_q[:, None] * stride_qh + offs_d[None, :],
+                          q_mask, HALF)
+    q1, q2 = _norm_rope(q1, q2, QW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
+    _store_halves(q1, q2, QOut + t * stride_qot + offs_q[:, None] * stride_qoh
+                  + offs_d[None, :], q_mask, HALF)
 
     offs_k = tl.arange(0, BLOCK_KH)
-    k_in = offs_k < KV_HEADS
-    kv_mask = k_in[:, None] & d_mask[None, :]
-    at = K + t * stride_kt + offs_k[:, None] * stride_kh + offs_d[None, :]
-    k1, k2 = _norm_rope(tl.load(at, mask=kv_mask, other=0.0),
-                        tl.load(at + HALF, mask=kv_mask, other=0.0), KW, cos, sin, offs_d,
-                        d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
-    at = KOut + t * stride_kot + offs_k[:, None] * stride_koh + offs_d[None, :]
-    tl.store(at, k1, mask=kv_mask)
-    tl.store(at + HALF, k2, mask=kv_mask)
+    kv_mask = (offs_k < KV_HEADS)[:, None] & d_mask[None, :]
+    k1, k2 = _load_halves(K + t * stride_kt + offs_k[:, None] * stride_kh + offs_d[None, :],
+                          kv_mask, HALF)
+    k1, k2 = _norm_rope(k1, k2, KW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
+    _store_halves(k1, k2, KOut + t * stride_kot + offs_k[:, None] * stride_koh
+                  + offs_d[None, :], kv_mask, HALF)
 
     slot = tl.load(Slots + t)
-    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-    _store_halves(k1, k2, KCache, page, offset, offs_k, offs_d, kv_mask,
-                  stride_cp, stride_ct, stride_ch, HALF)
-    at = V + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :]
-    _store_halves(tl.load(at, mask=kv_mask, other=0.0),
-                  tl.load(at + HALF, mask=kv_mask, other=0.0), VCache, page, offset,
-                  offs_k, offs_d, kv_mask, stride_cp, stride_ct, stride_ch, HALF)
+    row = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct \
+        + offs_k[:, None] * stride_ch + offs_d[None, :]
+    _store_halves(k1, k2, KCache + row, kv_mask, HALF)
+    v1, v2 = _load_halves(V + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :],
+                          kv_mask, HALF)
+    _store_halves(v1, v2, VCache + row, kv_mask, HALF)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
