@@ -26,7 +26,7 @@ def within_one_rounding(a: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8), (14, 2)])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rope_only"])
 def test_rope_and_store_matches_the_unfused_path(tokens, heads, kv_heads, norm):
     from nanoserve.attention.triton_rope_store import rope_and_store  # Triton: CUDA only

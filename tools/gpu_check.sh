@@ -2,7 +2,7 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            sampling|fp8|fp8bench|tune|models|moe|tpsmoke|tptests|tp32k|tp128k]...
+#                            sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|tp32k|tp128k]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -93,6 +93,8 @@ for w in $what; do
         --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v "it/s\]" | tail -12 ;;
     tune)  # the decode kernel's tiles for bf16 and FP8 KV (nanoserve/attention/triton_decode.py)
       run python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
+    linear)  # issue 17: decode's linear layers, cuBLAS against the Triton skinny matmul
+      run python3 tools/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/bench_linear.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v "it/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32

@@ -1,9 +1,9 @@
 """The Triton decode kernel's tile settings, measured: for bf16 and FP8 KV, each candidate
-(tokens per tile, warps, stages, splits x1 / x2) at several batch shapes, as achieved KV read
-bandwidth (values and scales) and its ratio to the device-memory floor. Usage (GPU):
+(tokens per tile, warps, stages, V loaded early or not, splits x1 / x2) at several batch shapes,
+as achieved KV read bandwidth (values and scales) and its ratio to the HBM floor. Usage (GPU):
     python tools/tune_decode.py [--shapes 1x32768,4x32768,64x512,1x131072] [--hbm-gbs 4229]
-Prints the best setting per (dtype, shape) and the current default's time beside it. FP8 also
-tries the float16 dots (Tiles.f16_dot).
+Prints the best setting per (dtype, shape) and the current default's time beside it. With
+--f16-dot, FP8 also tries float16 dots (Tiles.f16_dot).
 """
 
 from __future__ import annotations
@@ -44,13 +44,20 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x32768,4x32768,64x512,1x131072")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
     ap.add_argument("--dtypes", default="bf16,fp8", help="KV dtypes to tune: bf16, fp8")
+    ap.add_argument("--block-n", default="32,64,128", help="KV tokens per tile to try")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--mults", default="1,2", help="multiples of the default split count")
+    ap.add_argument("--f16-dot", action="store_true", help="FP8: also try float16 dots")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    base = [Tiles(n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    base = [Tiles(n, w, s, early_v=e) for n, w, s, e in itertools.product(
+        ints(args.block_n), ints(args.warps), ints(args.stages), (False, True))]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", base + [t._replace(f16_dot=True) for t in base
-                                          if t.block_n >= 64])}
+                                          if t.block_n >= 64 and args.f16_dot])}
     for key in args.dtypes.split(","):
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):
@@ -59,7 +66,7 @@ def main() -> None:
             base = num_splits_for(batch, KV_HEADS, ctx, sms)
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
-            for tiles, mult in itertools.product(candidates, (1, 2)):
+            for tiles, mult in itertools.product(candidates, ints(args.mults)):
                 tiles = tiles._replace(split_factor=1)  # the multiplier is `mult` here
                 splits = min(base * mult, triton.cdiv(ctx, tiles.block_n))
                 try:
@@ -72,13 +79,14 @@ def main() -> None:
                 results.append((us, tiles, mult))
             results.sort(key=lambda r: r[0])
             current = TILES[name]
-            default = next(r for r in results if r[1] == current._replace(split_factor=1)
-                           and r[2] == current.split_factor)
+            default = next((r for r in results if r[1] == current._replace(split_factor=1)
+                            and r[2] == current.split_factor), None)
+            now = f"{default[1]} {default[0]:7.1f} us ({default[0] / floor_us:.2f}x)" \
+                if default else "not among the candidates"
             best = results[0]
-            print(f"{name:7s} {shape:>9s} floor {floor_us:7.1f} us | default {default[1]} "
-                  f"{default[0]:7.1f} us ({default[0] / floor_us:.2f}x) | best {best[1]} "
-                  f"splits x{best[2]} {best[0]:7.1f} us ({best[0] / floor_us:.2f}x)")
-            for us, tiles, mult in results[1:4]:
+            print(f"{name:7s} {shape:>9s} floor {floor_us:7.1f} us | default {now} | best "
+                  f"{best[1]} splits x{best[2]} {best[0]:7.1f} us ({best[0] / floor_us:.2f}x)")
+            for us, tiles, mult in results[1:6]:
                 print(f"{'':18s} next {tiles} x{mult} {us:7.1f} us ({us / floor_us:.2f}x)")
 
 

@@ -1,0 +1,76 @@
+"""Skinny matmul for decode's few rows, in Triton: y = x @ w.T (+ bias) for x [rows <= 16, k]
+and a weight w [n, k], the weight streamed once.
+
+At batch 1 a decode step's linear layers are reads of their weights; cuBLAS's kernels for a
+single row reach 72-74% of the device bandwidth on the attention projections (an H200,
+Qwen3-8B's shapes) and add split-K reductions. Here each program owns `block_n` output
+columns over all of k (no split, no reduction kernel), and the weight tiles arrive through
+`num_stages` asynchronous copies, so enough bytes are in flight to keep the memory busy.
+tools/bench_linear.py measures it against torch's F.linear per shape.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # one tensor-core tile of rows
+
+
+class LinearTiles(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_TILES = LinearTiles(32, 256, 4, 4)
+
+
+@triton.jit
+def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_at = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_at = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the caller checks)
+        x = tl.load(x_at, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_at, mask=n_mask[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_at += BLOCK_K
+        w_at += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, tiles: LinearTiles = DEFAULT_TILES) -> bool:
+    """Whether skinny_linear takes this product: CUDA, half precision, at most MAX_ROWS rows,
+    contiguous rows, k a multiple of the tile."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and \
+        weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and \
+        x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] % tiles.block_k == 0
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiles: LinearTiles = DEFAULT_TILES) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k].T + bias [n]: [rows, n] in x's dtype (see `supports`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return y

@@ -1,0 +1,38 @@
+"""The Triton skinny matmul (models/triton_linear.py) against a float64 reference: its only
+rounding is the output's, so every element is within one bf16 step (2^-8 relative) of the
+largest output."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 512), (6144, 12288)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_float64(rows, n, k, bias):
+    from nanoserve.models.triton_linear import skinny_linear, supports  # Triton: CUDA only
+
+    g = torch.Generator(device="cuda").manual_seed(rows * n + k)
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
+    assert supports(x, w)
+    y = skinny_linear(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert (y.double() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
+
+
+@needs_cuda
+def test_skinny_linear_refuses_what_it_cannot_take():
+    from nanoserve.models.triton_linear import supports
+
+    w = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert not supports(torch.zeros(17, 256, device="cuda", dtype=torch.bfloat16), w)
+    assert not supports(torch.zeros(1, 100, device="cuda", dtype=torch.bfloat16), w[:, :100])
+    assert not supports(torch.zeros(1, 256, device="cuda"), w.float())

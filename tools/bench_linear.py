@@ -1,0 +1,73 @@
+"""Decode's linear layers at few rows: torch's F.linear (cuBLAS) against the Triton skinny
+matmul (nanoserve/models/triton_linear.py) and its tile settings, per weight shape, in CUDA
+graphs, as time and fraction of the device-memory floor (the weight's bytes). Usage (GPU):
+    python tools/bench_linear.py [--rows 1,4,16] [--hbm-gbs 4229]
+Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from nanoserve.models.triton_linear import LinearTiles, skinny_linear
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288), "lm_head": (151936, 4096)}
+
+
+def timed(fn) -> float:
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--hbm-gbs", type=float, default=4229.0)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64), (128, 256), (4, 8),
+                                                              (3, 4))]
+    per_layer = {}
+    for rows in map(int, args.rows.split(",")):
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            floor = n * k * 2 / args.hbm_gbs / 1e3
+            ref = x.double() @ w.double().T
+            cublas = timed(lambda: F.linear(x, w))  # noqa: B023
+            err_cublas = (F.linear(x, w).double() - ref).abs().max().item()
+            results = []
+            for tiles in candidates:
+                try:
+                    us = timed(lambda: skinny_linear(x, w, tiles=tiles))  # noqa: B023
+                except Exception as e:  # a setting the compiler refuses (shared memory)
+                    print(f"  {tiles}: {type(e).__name__}")
+                    continue
+                results.append((us, tiles))
+            results.sort(key=lambda r: r[0])
+            us, best = results[0]
+            err = (skinny_linear(x, w, tiles=best).double() - ref).abs().max().item()
+            print(f"rows {rows:2d} {name:8s} floor {floor:7.1f} us | cuBLAS {cublas:7.1f} us "
+                  f"({floor / cublas:.0%}) | skinny {us:7.1f} us ({floor / us:.0%}) {best} | "
+                  f"max err {err:.2e} (cuBLAS {err_cublas:.2e})", flush=True)
+            for us2, tiles in results[1:4]:
+                print(f"{'':24s} next {tiles} {us2:7.1f} us ({floor / us2:.0%})")
+            if name != "lm_head":
+                per_layer.setdefault(rows, [0.0, 0.0])
+                per_layer[rows][0] += cublas
+                per_layer[rows][1] += us
+    for rows, (c, s) in per_layer.items():
+        print(f"rows {rows}: a layer's linears (best settings) cuBLAS {c:.1f} us, skinny {s:.1f}"
+              f" us; x36 layers: {36 * (c - s) / 1e3:+.3f} ms a step")
+
+
+if __name__ == "__main__":
+    main()
