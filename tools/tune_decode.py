@@ -1,5 +1,5 @@
 """The Triton decode kernel's tile settings, measured: for bf16 and FP8 KV, each candidate
-(tokens per tile, warps, stages, V loaded early or not, splits x1 / x2) at several batch shapes,
+(tokens per tile, warps, stages, splits x1 / x2) at several batch shapes,
 as achieved KV read bandwidth (values and scales) and its ratio to the HBM floor. Usage (GPU):
     python tools/tune_decode.py [--shapes 1x32768,4x32768,64x512,1x131072] [--hbm-gbs 4229]
 Prints the best setting per (dtype, shape) and the current default's time beside it. With
@@ -53,8 +53,8 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    base = [Tiles(n, w, s, early_v=e) for n, w, s, e in itertools.product(
-        ints(args.block_n), ints(args.warps), ints(args.stages), (False, True))]
+    base = [Tiles(n, w, s) for n, w, s in itertools.product(ints(args.block_n), ints(args.warps),
+                                                             ints(args.stages))]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", base + [t._replace(f16_dot=True) for t in base
                                           if t.block_n >= 64 and args.f16_dot])}
@@ -70,9 +70,12 @@ def main() -> None:
                 tiles = tiles._replace(split_factor=1)  # the multiplier is `mult` here
                 splits = min(base * mult, triton.cdiv(ctx, tiles.block_n))
                 try:
-                    us = 1e3 * triton.testing.do_bench(lambda: paged_decode_attention(  # noqa: B023
-                        q, k, v, table, lens, D**-0.5, splits, k_scale=ks, v_scale=vs,  # noqa: B023
-                        tiles=tiles), warmup=5, rep=30)  # noqa: B023
+                    def attend(tiles=tiles, splits=splits):
+                        paged_decode_attention(q, k, v, table, lens, D**-0.5, splits,  # noqa: B023
+                                               k_scale=ks, v_scale=vs, tiles=tiles)  # noqa: B023
+
+                    # in a CUDA graph, as decode runs it: no launch overhead in the figure
+                    us = 1e3 * triton.testing.do_bench_cudagraph(attend, rep=30)
                 except Exception as e:  # a setting the compiler refuses (shared memory)
                     print(f"  {tiles} x{mult}: {type(e).__name__}")
                     continue

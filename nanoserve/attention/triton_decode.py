@@ -28,14 +28,12 @@ class Tiles(NamedTuple):
     """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages; for FP8 KV
     whether the dots run in float16 (e4m3 converts to float16 in one instruction, to bfloat16
     not; q and the probabilities are rounded to float16 then, not to the model's dtype); and
-    how many times the caller's split count (num_splits_for) to launch; whether a tile's V (and
-    its scales) is loaded together with its K, so that both loads are in flight at once."""
+    how many times the caller's split count (num_splits_for) to launch."""
     block_n: int
     num_warps: int
     num_stages: int
     f16_dot: bool = False
     split_factor: int = 1
-    early_v: bool = False  # issue a tile's V loads beside its K loads, before the softmax
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py (Qwen3-8B shape): bf16 KV
@@ -57,7 +55,7 @@ def _decode_split_kernel(
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, EARLY_V: tl.constexpr,
+    PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -91,18 +89,11 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        v_at = V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh \
-            + offs_d[None, :]
-        scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
-        if SCALED:
-            k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
-        if EARLY_V:
-            v = tl.load(v_at, mask=kv_mask, other=0.0)
-            if SCALED:
-                v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
         # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if SCALED:
+            scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
+            k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
             qk = qk * (k_scale[None, :] * scale)
         else:
             qk = qk * scale
@@ -111,11 +102,10 @@ def _decode_split_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        if not EARLY_V:
-            v = tl.load(v_at, mask=kv_mask, other=0.0)
+        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # each token's V scale, folded into its column of the probabilities
-            if not EARLY_V:
-                v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
+            v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
             if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
                 v_max = tl.max(v_scale, 0)
                 p = p * (v_scale / v_max)[None, :]
@@ -206,7 +196,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
-        PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot, EARLY_V=tiles.early_v,
+        PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

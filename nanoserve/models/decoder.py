@@ -24,6 +24,7 @@ from nanoserve.distributed.parallel_state import (
 )
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import (
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -76,7 +77,7 @@ class SelfAttention(nn.Module):
         kv_heads = shard(cfg.num_kv_heads, "num_key_value_heads")[1]
         self.q_size, self.kv_size = heads * d, kv_heads * d
         self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.o_proj = Linear(self.q_size, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -96,7 +97,7 @@ class MLP(nn.Module):
         super().__init__()
         i = shard(cfg.intermediate_size, "intermediate_size")[1]
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
@@ -142,7 +143,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, max_len)
         # this rank's rows of the vocabulary, as the embedding's (a tied head shares them)
-        self.lm_head = nn.Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1],
+        self.lm_head = Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1],
                                  bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve import fused as fusion
 from nanoserve.fused import fused
 from nanoserve.models.rope import inv_freq_and_attention_factor
 
@@ -67,7 +68,23 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, delta, self.weight, self.eps)
 
 
-class MergedLinear(nn.Linear):
+SKINNY_MAX_ROWS = 1  # one row: 0.22 ms a step faster than cuBLAS on an H200; four: the same
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose products of a few rows (decode) on CUDA run the Triton skinny matmul,
+    which streams the weight closer to the device bandwidth than cuBLAS's kernels for them
+    (models/triton_linear.py; tools/bench_linear.py measures both)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion.is_enabled():
+            from nanoserve.models.triton_linear import skinny_linear, supports  # CUDA only
+            if supports(x, self.weight):
+                return skinny_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked (qkv, gate_up).
 
     `shard_sizes` gives the rows of each shard, in order; the loader copies shard i into place.

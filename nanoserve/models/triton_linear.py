@@ -2,8 +2,8 @@
 and a weight w [n, k], the weight streamed once.
 
 At batch 1 a decode step's linear layers are reads of their weights; cuBLAS's kernels for a
-single row reach 72-74% of the device bandwidth on the attention projections (an H200,
-Qwen3-8B's shapes) and add split-K reductions. Here each program owns `block_n` output
+single row reach 75-79% of the device bandwidth on qkv, o and down (an H200, Qwen3-8B's
+shapes) and some add split-K reductions. Here each program owns `block_n` output
 columns over all of k (no split, no reduction kernel), and the weight tiles arrive through
 `num_stages` asynchronous copies, so enough bytes are in flight to keep the memory busy.
 tools/bench_linear.py measures it against torch's F.linear per shape.
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # one tensor-core tile of rows
+MIN_COLUMNS = 4096  # fewer output columns leave SMs idle (a program per 32 or 64 of them)
 
 
 class LinearTiles(NamedTuple):
@@ -27,7 +28,11 @@ class LinearTiles(NamedTuple):
     num_stages: int
 
 
-DEFAULT_TILES = LinearTiles(32, 256, 4, 4)
+def tiles_for(n: int) -> LinearTiles:
+    """Measured at one row on an H200 (tools/bench_linear.py, Qwen3-8B's shapes): 32 columns
+    by 256 for qkv, o and down (n <= 6144; 81-88% of the bandwidth, cuBLAS 75-79%), 64 by 128
+    for gate_up and lm_head (100-108%, cuBLAS 100-103%: L2 hits push past the floor)."""
+    return LinearTiles(32, 256, 4, 4) if n <= 8192 else LinearTiles(64, 128, 4, 4)
 
 
 @triton.jit
@@ -54,19 +59,22 @@ def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_y
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, tiles: LinearTiles = DEFAULT_TILES) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear takes this product: CUDA, half precision, at most MAX_ROWS rows,
-    contiguous rows, k a multiple of the tile."""
+    at least MIN_COLUMNS outputs, contiguous rows, k a multiple of the tile."""
+    n, k = weight.shape
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and \
         weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and \
-        x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] % tiles.block_k == 0
+        n >= MIN_COLUMNS and x.stride(1) == 1 and weight.stride(1) == 1 and \
+        k % tiles_for(n).block_k == 0
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiles: LinearTiles = DEFAULT_TILES) -> torch.Tensor:
+                  tiles: LinearTiles | None = None) -> torch.Tensor:
     """x [rows, k] @ weight [n, k].T + bias [n]: [rows, n] in x's dtype (see `supports`)."""
     m, k = x.shape
     n = weight.shape[0]
+    tiles = tiles or tiles_for(n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
