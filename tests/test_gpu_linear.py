@@ -11,7 +11,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 64])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (4100, 512), (6144, 12288), (24576, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_float64(rows, n, k, bias):
@@ -35,7 +35,7 @@ def test_skinny_linear_refuses_what_it_cannot_take():
     w = torch.zeros(4096, 256, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
     assert supports(x, w)
-    assert not supports(torch.zeros(17, 256, device="cuda", dtype=torch.bfloat16), w)
+    assert not supports(torch.zeros(65, 256, device="cuda", dtype=torch.bfloat16), w)
     assert not supports(x[:, :100], w[:, :100])  # k not a multiple of the tile
     assert not supports(x, w[:1024])  # too few columns to fill the SMs
     assert not supports(x.float(), w.float())

@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64), (128, 256), (4, 8),
+    candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64, 128), (128, 256), (4, 8),
                                                               (3, 4))]
     per_layer = {}
     for rows in map(int, args.rows.split(",")):

@@ -23,7 +23,7 @@ CATEGORIES = (  # first match wins; names are lower-cased kernel names
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "_decode_split", "_merge_split",
                    "attn")),
     ("fused", ("triton_",)),  # inductor's kernels (nanoserve/fused.py)
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas", "_skinny_linear")),
     ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
 )
 
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=12, help="heaviest kernels to list")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--enable-offload", action="store_true",
+                    help="every layer's KV streamed from host memory (copies under 'copy')")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py profiles GPU kernels: it needs a CUDA device")
@@ -111,7 +113,8 @@ def main() -> None:
     for kind, batch, ctx in work:
         llm = LLM(args.model, progress=False, dummy_weights=True, max_model_len=ctx + 64,
                   max_num_seqs=batch, enforce_eager=args.enforce_eager,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, enable_offload=args.enable_offload,
+                  resident_layers=0 if args.enable_offload else None)
         engine = llm.engine
         vocab = engine.runner.model.config.vocab_size
 

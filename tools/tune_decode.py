@@ -14,7 +14,12 @@ import itertools
 import torch
 import triton
 
-from nanoserve.attention.triton_decode import TILES, Tiles, num_splits_for, paged_decode_attention
+from nanoserve.attention.triton_decode import (
+    Tiles,
+    default_tiles,
+    num_splits_for,
+    paged_decode_attention,
+)
 from nanoserve.kv.fp8 import FP8
 from nanoserve.kv.spec import KVSpec
 
@@ -81,7 +86,7 @@ def main() -> None:
                     continue
                 results.append((us, tiles, mult))
             results.sort(key=lambda r: r[0])
-            current = TILES[name]
+            current = default_tiles(key == "fp8", batch)
             default = next((r for r in results if r[1] == current._replace(split_factor=1)
                             and r[2] == current.split_factor), None)
             now = f"{default[1]} {default[0]:7.1f} us ({default[0] / floor_us:.2f}x)" \

@@ -36,11 +36,21 @@ class Tiles(NamedTuple):
     split_factor: int = 1
 
 
-# per stored KV dtype, measured on an H200 by tools/tune_decode.py (Qwen3-8B shape): bf16 KV
-# is best at 64-token tiles at every shape; FP8's 128-token tiles halve its time at 32K
-# (112 -> 52 us a layer; 64 x 512: 66 -> 50 us), and twice the splits take 32K to 49.6 us and
-# 128K from 160 to 145 us (float16 dots: no faster, 146.5 us)
-TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(128, 4, 2, split_factor=2)}
+# per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
+# shape, one layer): bf16 KV is best at 64-token tiles at every shape (1 x 32K 40.6 us, 1.28x
+# its floor; 1 x 128K 132 us, 1.04x; 64 x 512 42.9 us, 1.35x). FP8 wants 128-token tiles, and
+# at small batches twice the splits (1 x 32K 43.3 us against 45.2; 1 x 128K 139 against 154),
+# at batch 64 not (43.6 us against 51.0); "fp8-batched" takes over above SMALL_BATCH, a
+# threshold between the measured points. Float16 dots were no faster (146.5 us at 128K).
+TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(128, 4, 2, split_factor=2),
+         "fp8-batched": Tiles(128, 4, 2)}
+SMALL_BATCH = 8
+
+
+def default_tiles(scaled: bool, batch: int) -> Tiles:
+    if not scaled:
+        return TILES["default"]
+    return TILES["fp8" if batch <= SMALL_BATCH else "fp8-batched"]
 
 
 @triton.jit
@@ -172,7 +182,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     scaled = k_scale is not None
-    tiles = tiles or TILES["fp8" if scaled else "default"]
+    tiles = tiles or default_tiles(scaled, batch)
     num_splits *= tiles.split_factor
     if scaled:
         assert k_scale.stride() == v_scale.stride()

@@ -1,4 +1,4 @@
-"""Skinny matmul for decode's few rows, in Triton: y = x @ w.T (+ bias) for x [rows <= 16, k]
+"""Skinny matmul for decode's few rows, in Triton: y = x @ w.T (+ bias) for x [rows <= 64, k]
 and a weight w [n, k], the weight streamed once.
 
 At batch 1 a decode step's linear layers are reads of their weights; cuBLAS's kernels for a
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # one tensor-core tile of rows
+MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64
 MIN_COLUMNS = 4096  # fewer output columns leave SMs idle (a program per 32 or 64 of them)
 
 
@@ -79,6 +79,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
