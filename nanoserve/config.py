@@ -65,8 +65,9 @@ class EngineConfig:
                                  "torch.compile; compiled once per process at start.")
     async_scheduling: bool = _field(True, "While the device runs a decode step, the host "
                                     "schedules and launches the next one (tokens read back a "
-                                    "step late). Used for plain decode steps with resident KV "
-                                    "and no logprobs or penalties.")
+                                    "step late; with offload, the next step's KV loads queue "
+                                    "behind this one's). Used for plain decode steps without "
+                                    "logprobs or penalties.")
     max_graph_batch_size: int = _field(64, "Largest decode batch captured as a CUDA graph "
                                        "(larger batches run eagerly).", min=1)
     attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "

@@ -38,8 +38,15 @@ def both(path, **kw):
     return make_llm(path, async_scheduling=False, **kw), make_llm(path, **kw)
 
 
-def test_async_decode_launches_the_next_step_before_reading_the_last(qwen3_dir):
-    sync, async_ = both(qwen3_dir)
+# resident KV, and every layer streamed through fewer ring slots than layers (offload/)
+KV_MODES = pytest.mark.parametrize("kv", [
+    {}, {"enable_offload": True, "resident_layers": 0, "num_kv_buffers": 2,
+         "host_kv_budget_gib": 0.01}], ids=["resident", "offload"])
+
+
+@KV_MODES
+def test_async_decode_launches_the_next_step_before_reading_the_last(qwen3_dir, kv):
+    sync, async_ = both(qwen3_dir, **kv)
     calls = count_launches(async_)
     prompts = random_prompts(3, [7, 12, 5], seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -50,8 +57,9 @@ def test_async_decode_launches_the_next_step_before_reading_the_last(qwen3_dir):
     assert async_.engine.kv.num_free == async_.engine.kv.capacity
 
 
-def test_stops_end_a_sequence_where_the_synchronous_engine_does(qwen3_dir):
-    sync, async_ = both(qwen3_dir)
+@KV_MODES
+def test_stops_end_a_sequence_where_the_synchronous_engine_does(qwen3_dir, kv):
+    sync, async_ = both(qwen3_dir, **kv)
     prompts = random_prompts(4, [10, 6, 15, 9], seed=9)
     free = outputs(sync, prompts, SamplingParams(temperature=0.0, max_tokens=30,
                                                  ignore_eos=True))
@@ -90,12 +98,16 @@ def test_stop_strings_and_seeded_sampling_match_the_synchronous_engine():
     assert calls.count("launch") > 20
 
 
-def test_preemption_under_async_scheduling_gives_the_same_tokens(qwen3_dir):
+@KV_MODES
+def test_preemption_under_async_scheduling_gives_the_same_tokens(qwen3_dir, kv):
     prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     page_bytes = KVSpec(3, 4, 2, 16, torch.float32).page_bytes()
-    tight = [make_llm(qwen3_dir, gpu_kv_budget_gib=41 * page_bytes / 2**30,
-                      async_scheduling=a) for a in (False, True)]
+    # 41 pages where the pages live: the GPU, or with every layer streamed the host
+    budget = 41 * page_bytes / 2**30
+    kv = dict(kv, host_kv_budget_gib=budget, gpu_kv_budget_gib=0.01) if kv else \
+        {"gpu_kv_budget_gib": budget}
+    tight = [make_llm(qwen3_dir, async_scheduling=a, **kv) for a in (False, True)]
     calls = count_launches(tight[1])
     ref, got = (outputs(llm, prompts, params) for llm in tight)
     assert got == ref
@@ -104,8 +116,9 @@ def test_preemption_under_async_scheduling_gives_the_same_tokens(qwen3_dir):
     assert tight[1].engine.kv.num_free == 40
 
 
-def test_an_abort_while_a_step_is_in_flight_frees_everything(qwen3_dir):
-    llm = make_llm(qwen3_dir)
+@KV_MODES
+def test_an_abort_while_a_step_is_in_flight_frees_everything(qwen3_dir, kv):
+    llm = make_llm(qwen3_dir, **kv)
     engine = llm.engine
     seqs = [s for p in random_prompts(2, [6, 9], seed=2)
             for s in engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=50))]

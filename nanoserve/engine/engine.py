@@ -208,10 +208,13 @@ class LLMEngine:
 
     def _can_launch_ahead(self) -> bool:
         """Whether the next step may launch before the step in flight is read: a plain decode
-        step (no prefill, no preemption) with resident KV, whose sampling reads nothing the
-        host has not seen (no penalties, no logprobs). Under tensor parallelism rank 0 sends
-        each launched step's ids to the workers on the device (ModelRunner.launch)."""
-        return (self.cfg.async_scheduling and self.kv.streamer is None
+        step (no prefill, no preemption) whose sampling reads nothing the host has not seen
+        (no penalties, no logprobs). Under tensor parallelism rank 0 sends each launched step's
+        ids to the workers on the device (ModelRunner.launch). With streamed layers the next
+        step's loads then queue on the copy stream behind this step's, so the link never waits
+        for the host between steps; the streamer's ordering is all on the device
+        (offload/streamer.py), and a step's plan counts the tokens still in flight."""
+        return (self.cfg.async_scheduling
                 and self.scheduler.next_step_is_plain_decode()
                 and all(not s.params.has_penalties and s.params.logprobs is None
                         for s in self.scheduler.running))

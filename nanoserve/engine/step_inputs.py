@@ -206,8 +206,6 @@ class StepInputBuilder:
         for i, s in enumerate(batch.seqs):
             p = s.num_tokens - 1 + s.num_pending  # the token this step writes
             if s.num_pending:
-                if self.tail_row is not None:
-                    raise ValueError("async scheduling needs resident KV")
                 from_step[i] = in_flight_rows[s.seq_id]
             else:
                 ids[i] = s.token_ids[-1]
