@@ -53,43 +53,40 @@ def _rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_cp, stride_ct, stride_ch,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, Q_BLOCKS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Program (token t, head block b): blocks below Q_BLOCKS take BLOCK_H of t's query heads,
-    the others BLOCK_H of its kv heads (k and v, and their cache slots)."""
     t = tl.program_id(0)
-    b = tl.program_id(1)
     pos = tl.load(Positions + t)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=d_mask, other=0.0)
     sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)
-    offs_h = tl.arange(0, BLOCK_H)
-    if b < Q_BLOCKS:
-        heads = b * BLOCK_H + offs_h
-        mask = (heads < HEADS)[:, None] & d_mask[None, :]
-        q1, q2 = _load_halves(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                              mask, HALF)
-        q1, q2 = _norm_rope(q1, q2, QW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
-        _store_halves(q1, q2, QOut + t * stride_qot + heads[:, None] * stride_qoh
-                      + offs_d[None, :], mask, HALF)
-    else:
-        heads = (b - Q_BLOCKS) * BLOCK_H + offs_h
-        mask = (heads < KV_HEADS)[:, None] & d_mask[None, :]
-        k1, k2 = _load_halves(K + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :],
-                              mask, HALF)
-        k1, k2 = _norm_rope(k1, k2, KW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
-        _store_halves(k1, k2, KOut + t * stride_kot + heads[:, None] * stride_koh
-                      + offs_d[None, :], mask, HALF)
-        slot = tl.load(Slots + t)
-        row = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct \
-            + heads[:, None] * stride_ch + offs_d[None, :]
-        _store_halves(k1, k2, KCache + row, mask, HALF)
-        v1, v2 = _load_halves(V + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
-                              mask, HALF)
-        _store_halves(v1, v2, VCache + row, mask, HALF)
+
+    offs_q = tl.arange(0, BLOCK_QH)
+    q_mask = (offs_q < HEADS)[:, None] & d_mask[None, :]
+    q1, q2 = _load_halves(Q + t * stride_qt + offs_q[:, None] * stride_qh + offs_d[None, :],
+                          q_mask, HALF)
+    q1, q2 = _norm_rope(q1, q2, QW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
+    _store_halves(q1, q2, QOut + t * stride_qot + offs_q[:, None] * stride_qoh
+                  + offs_d[None, :], q_mask, HALF)
+
+    offs_k = tl.arange(0, BLOCK_KH)
+    kv_mask = (offs_k < KV_HEADS)[:, None] & d_mask[None, :]
+    k1, k2 = _load_halves(K + t * stride_kt + offs_k[:, None] * stride_kh + offs_d[None, :],
+                          kv_mask, HALF)
+    k1, k2 = _norm_rope(k1, k2, KW, cos, sin, offs_d, d_mask, eps, HAS_NORM, HEAD_DIM, HALF)
+    _store_halves(k1, k2, KOut + t * stride_kot + offs_k[:, None] * stride_koh
+                  + offs_d[None, :], kv_mask, HALF)
+
+    slot = tl.load(Slots + t)
+    row = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct \
+        + offs_k[:, None] * stride_ch + offs_d[None, :]
+    _store_halves(k1, k2, KCache + row, kv_mask, HALF)
+    v1, v2 = _load_halves(V + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :],
+                          kv_mask, HALF)
+    _store_halves(v1, v2, VCache + row, kv_mask, HALF)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
@@ -112,17 +109,15 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
         return q_out, k_out
     q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     half = d // 2
-    # a program per 8 heads: at decode a token's work spreads over several SMs
-    block_h = max(2, min(8, triton.next_power_of_2(kv_heads)))
-    q_blocks = triton.cdiv(heads, block_h)
-    _rope_store_kernel[(tokens, q_blocks + triton.cdiv(kv_heads, block_h))](
+    _rope_store_kernel[(tokens,)](
         q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, slot_mapping,
         eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEADS=heads, KV_HEADS=kv_heads, BLOCK_H=block_h, Q_BLOCKS=q_blocks, HEAD_DIM=d,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
-        HAS_NORM=qk_norm is not None, num_warps=2,
+        HEADS=heads, KV_HEADS=kv_heads, BLOCK_QH=triton.next_power_of_2(heads),
+        BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
+        HAS_NORM=qk_norm is not None, num_warps=4,
     )
     return q_out, k_out
