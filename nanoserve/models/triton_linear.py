@@ -39,9 +39,6 @@ def tiles_for(n: int) -> LinearTiles:
     return LinearTiles(32, 256, 4, 4) if n <= 8192 else LinearTiles(64, 128, 4, 4)
 
 
-PLAIN, NORM, SILU_MUL = 0, 1, 2  # what the kernel does to x's rows on their way in
-
-
 @triton.jit
 def _residual(X, Delta, at, mask, HAS_DELTA: tl.constexpr):
     """x + delta, rounded to x's dtype as a separate add would round it."""
@@ -56,9 +53,9 @@ def _residual(X, Delta, at, mask, HAS_DELTA: tl.constexpr):
 def _skinny_linear_kernel(X, Delta, NormW, Resid, W, Bias, Y, M, N, K, eps,
                           stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
                           HAS_DELTA: tl.constexpr):
-    """PLAIN: y = x @ w.T. NORM: y = rms_norm(x + delta) @ w.T, each program computing the
+    """Plain: y = x @ w.T. NORM: y = rms_norm(x + delta) @ w.T, each program computing the
     rows' statistics itself (a first pass over them) and program 0 storing x + delta in
     Resid. SILU_MUL: x holds [gate | up] (2K columns), y = (silu(gate) * up) @ w.T. Both
     prologues round where layers.add_rms_norm and layers.silu_and_mul round."""
@@ -69,7 +66,7 @@ def _skinny_linear_kernel(X, Delta, NormW, Resid, W, Bias, Y, M, N, K, eps,
     n_mask = offs_n < N
     m_mask = offs_m[:, None] < M
     rows = offs_m[:, None] * stride_xm
-    if PROLOGUE == NORM:
+    if NORM:
         sum_sq = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             h = _residual(X, Delta, rows + k0 + offs_k[None, :], m_mask, HAS_DELTA)
@@ -80,14 +77,14 @@ def _skinny_linear_kernel(X, Delta, NormW, Resid, W, Bias, Y, M, N, K, eps,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the caller checks)
         at = rows + k0 + offs_k[None, :]
-        if PROLOGUE == NORM:
+        if NORM:
             h = _residual(X, Delta, at, m_mask, HAS_DELTA)
             if HAS_DELTA:
                 tl.store(Resid + at, h, mask=m_mask & (pid == 0))
             g = tl.load(NormW + k0 + offs_k).to(tl.float32)
             x = (g[None, :] * (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype).to(tl.float32)
                  ).to(h.dtype)
-        elif PROLOGUE == SILU_MUL:
+        elif SILU_MUL:
             gate = tl.load(X + at, mask=m_mask, other=0.0)
             up = tl.load(X + at + K, mask=m_mask, other=0.0).to(tl.float32)
             g = gate.to(tl.float32)
@@ -113,7 +110,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _launch(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None,
-            tiles: LinearTiles | None, prologue: int, delta: torch.Tensor | None = None,
+            tiles: LinearTiles | None, prologue: str = "", delta: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, resid: torch.Tensor | None = None,
             eps: float = 0.0) -> torch.Tensor:
     m, n = x.shape[0], weight.shape[0]
@@ -124,7 +121,8 @@ def _launch(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | 
         resid if resid is not None else x, weight, bias if bias is not None else weight, y,
         m, n, k, eps, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, PROLOGUE=prologue,
+        BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, NORM=prologue == "norm",
+        SILU_MUL=prologue == "silu_mul",
         HAS_DELTA=delta is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
@@ -132,7 +130,7 @@ def _launch(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tiles: LinearTiles | None = None) -> torch.Tensor:
     """x [rows, k] @ weight [n, k].T + bias [n]: [rows, n] in x's dtype (see `supports`)."""
-    return _launch(x, x.shape[1], weight, bias, tiles, PLAIN)
+    return _launch(x, x.shape[1], weight, bias, tiles)
 
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -142,11 +140,11 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     rms_norm(x) @ weight.T + bias). x, delta [rows, k] contiguous (see `supports`)."""
     assert x.is_contiguous() and (delta is None or delta.is_contiguous())
     resid = torch.empty_like(x) if delta is not None else x
-    y = _launch(x, x.shape[1], weight, bias, None, NORM, delta, norm_weight, resid, eps)
+    y = _launch(x, x.shape[1], weight, bias, None, "norm", delta, norm_weight, resid, eps)
     return resid, y
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T + bias for gate_up = [gate | up] [rows, 2k]."""
-    return _launch(gate_up, gate_up.shape[1] // 2, weight, bias, None, SILU_MUL)
+    return _launch(gate_up, gate_up.shape[1] // 2, weight, bias, None, "silu_mul")
