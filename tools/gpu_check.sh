@@ -2,7 +2,7 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|tp32k|tp128k]...
+#                            sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -84,6 +84,10 @@ for w in $what; do
       run python3 -m pytest -q -m gpu tests/test_gpu_tp.py -p no:cacheprovider -s 2>&1 \
         | grep --line-buffered -v "it/s\]" | tee "$OUT/pytest_tp.log" \
         | grep --line-buffered -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
+    allreduce)  # issue 15: NCCL's transport between the GPUs and an all-reduce's time by size
+      run python3 tools/bench_allreduce.py --tp "2,$(nvidia-smi -L | wc -l)" 2>&1 | tee "$OUT/allreduce.log" | tail -8
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET python3 tools/bench_allreduce.py --tp 2 --sizes 8K 2>&1 \
+        | sed 's/^.*NCCL INFO //' | grep -E " via |P2P|SHM|TP=" | sort | uniq -c | sort -rn | head -12 ;;
     tp32k)  # issue 15: resident 32K at TP 1, 2(, 4), batch 1
       n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
       run $B --input-len 32768 --resident-graph --tensor-parallel-size $sizes \
