@@ -54,11 +54,11 @@ def _skinny_linear_kernel(X, Delta, NormW, Resid, W, Bias, Y, M, N, K, eps,
                           stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                          HAS_DELTA: tl.constexpr):
-    """Plain: y = x @ w.T. NORM: y = rms_norm(x + delta) @ w.T, each program computing the
-    rows' statistics itself (a first pass over them) and program 0 storing x + delta in
-    Resid. SILU_MUL: x holds [gate | up] (2K columns), y = (silu(gate) * up) @ w.T. Both
-    prologues round where layers.add_rms_norm and layers.silu_and_mul round."""
+                          HAS_DELTA: tl.constexpr, ROW_K: tl.constexpr):
+    """Plain: y = x @ w.T. NORM (one row): y = rms_norm(x + delta) @ w.T, each program
+    computing the row's statistic itself and program 0 storing x + delta in Resid. SILU_MUL:
+    x holds [gate | up] (2K columns), y = (silu(gate) * up) @ w.T. Both prologues round where
+    layers.add_rms_norm and layers.silu_and_mul round."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -66,23 +66,22 @@ def _skinny_linear_kernel(X, Delta, NormW, Resid, W, Bias, Y, M, N, K, eps,
     n_mask = offs_n < N
     m_mask = offs_m[:, None] < M
     rows = offs_m[:, None] * stride_xm
-    if NORM:
-        sum_sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = _residual(X, Delta, rows + k0 + offs_k[None, :], m_mask, HAS_DELTA)
-            h = h.to(tl.float32)
-            sum_sq += tl.sum(h * h, 1)
-        inv_rms = tl.rsqrt(sum_sq / K + eps)
+    if NORM:  # one row (the caller checks), read whole at once: one round trip, not K / BLOCK_K
+        offs_row = tl.arange(0, ROW_K)
+        row_mask = offs_row < K
+        row = _residual(X, Delta, offs_row, row_mask, HAS_DELTA)
+        if HAS_DELTA:
+            tl.store(Resid + offs_row, row, mask=row_mask & (pid == 0))
+        row = row.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(row * row, 0) / K + eps)
     w_at = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the caller checks)
         at = rows + k0 + offs_k[None, :]
         if NORM:
             h = _residual(X, Delta, at, m_mask, HAS_DELTA)
-            if HAS_DELTA:
-                tl.store(Resid + at, h, mask=m_mask & (pid == 0))
             g = tl.load(NormW + k0 + offs_k).to(tl.float32)
-            x = (g[None, :] * (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype).to(tl.float32)
+            x = (g[None, :] * (h.to(tl.float32) * inv_rms).to(h.dtype).to(tl.float32)
                  ).to(h.dtype)
         elif SILU_MUL:
             gate = tl.load(X + at, mask=m_mask, other=0.0)
@@ -123,7 +122,8 @@ def _launch(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | 
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, NORM=prologue == "norm",
         SILU_MUL=prologue == "silu_mul",
-        HAS_DELTA=delta is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        HAS_DELTA=delta is not None, ROW_K=triton.next_power_of_2(k) if prologue == "norm" else 1,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
@@ -137,8 +137,8 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta) @ weight.T + bias) in one kernel; delta None: (x,
-    rms_norm(x) @ weight.T + bias). x, delta [rows, k] contiguous (see `supports`)."""
-    assert x.is_contiguous() and (delta is None or delta.is_contiguous())
+    rms_norm(x) @ weight.T + bias). x, delta [1, k] contiguous (see `supports`)."""
+    assert x.shape[0] == 1 and x.is_contiguous() and (delta is None or delta.is_contiguous())
     resid = torch.empty_like(x) if delta is not None else x
     y = _launch(x, x.shape[1], weight, bias, None, "norm", delta, norm_weight, resid, eps)
     return resid, y
