@@ -14,13 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanoserve.models.layers import add_rms_norm, silu_and_mul
-from nanoserve.models.triton_linear import (
-    LinearTiles,
-    skinny_linear,
-    skinny_norm_linear,
-    skinny_silu_mul_linear,
-)
+from nanoserve.models.triton_linear import LinearTiles, skinny_linear
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -35,11 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--prologues", action="store_true",
-                    help="only the one-row prologues: fused against their separate kernels")
     args = ap.parse_args()
-    if args.prologues:
-        return prologues(args.shapes.split(","))
     dev = torch.device("cuda")
     torch.manual_seed(0)
     candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64, 128), (128, 256), (4, 8),
@@ -77,29 +67,6 @@ def main() -> None:
     for rows, (c, s) in per_layer.items():
         print(f"rows {rows}: a layer's linears (best settings) cuBLAS {c:.1f} us, skinny {s:.1f}"
               f" us; x36 layers: {36 * (c - s) / 1e3:+.3f} ms a step")
-
-
-def prologues(names: list[str]) -> None:
-    """One row: add + RMSNorm before qkv, gate_up and lm_head, SiLU-and-multiply before down,
-    in the skinny kernel against inductor's kernel then the skinny matmul (the unfused path)."""
-    dev = torch.device("cuda")
-    for name in names:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
-        if name == "down":
-            gate_up = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
-            fused, apart = (lambda: skinny_silu_mul_linear(gate_up, w),  # noqa: B023
-                            lambda: skinny_linear(silu_and_mul(gate_up), w))  # noqa: B023
-        else:
-            x, d = (torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _ in range(2))
-            g = torch.ones(k, device=dev, dtype=torch.bfloat16)
-            fused, apart = (lambda: skinny_norm_linear(x, d, g, 1e-6, w),  # noqa: B023
-                            lambda: skinny_linear(add_rms_norm(x, d, g, 1e-6)[1], w))  # noqa: B023
-        apart()  # compiles inductor's kernel outside the graph
-        rows = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        plain = timed(lambda: skinny_linear(rows, w))  # noqa: B023
-        print(f"{name:8s} fused {timed(fused):7.1f} us | apart {timed(apart):7.1f} us | "
-              f"the matmul alone {plain:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from nanoserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     qk_norm_rope,
+    silu_and_mul,
 )
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
@@ -83,16 +84,12 @@ class SelfAttention(nn.Module):
         self.attn = Attention(layer_id, heads, kv_heads, d, rotary,
                               (self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, norm: RMSNorm, x: torch.Tensor,
-                delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, attention of norm(x + delta)): the residual add and the input norm run
-        with the qkv projection (Linear.norm_forward)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         d = self.attn.head_dim
-        x, qkv = self.qkv_proj.norm_forward(norm, x, delta)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         o = self.attn(positions, q.view(-1, self.attn.num_heads, d),
                       k.view(-1, self.attn.num_kv_heads, d), v.view(-1, self.attn.num_kv_heads, d))
-        return x, all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -102,11 +99,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
         self.down_proj = Linear(i, cfg.hidden_size, bias=False)
 
-    def forward(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, the MLP of norm(x + delta)), as SelfAttention.forward."""
-        x, gate_up = self.gate_up_proj.norm_forward(norm, x, delta)
-        return x, all_reduce(self.down_proj.gated_forward(gate_up))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -124,10 +118,11 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; delta: the previous layer's MLP output, not yet added (None
         before the first layer). Each residual add runs in the kernel of the norm after it, so
         this returns (x, its MLP output) for the next layer (or the head) to add."""
-        x, attn_out = self.self_attn(positions, self.input_layernorm, x, delta)
-        if isinstance(self.mlp, MLP):
-            return self.mlp(self.post_attention_layernorm, x, attn_out)
-        x, h = self.post_attention_layernorm.add_forward(x, attn_out)
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(positions, h))
         return x, self.mlp(h)
 
 
@@ -148,7 +143,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, max_len)
         # this rank's rows of the vocabulary, as the embedding's (a tied head shares them)
-        self.lm_head = Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1], bias=False)
+        self.lm_head = Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1],
+                                 bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -176,7 +172,9 @@ class CausalLM(nn.Module):
     def head(self, hidden: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, vocab] of (un-normalized) last-layer hidden states, the whole
         vocabulary on every rank; `delta`: the last layer's MLP output, added here."""
-        logits = all_gather(self.lm_head.norm_forward(self.model.norm, hidden, delta)[1])
+        norm = self.model.norm
+        h = norm(hidden) if delta is None else norm.add_forward(hidden, delta)[1]
+        logits = all_gather(self.lm_head(h))
         if logits.shape[-1] != self.config.vocab_size:  # TP: the vocabulary's padding
             logits = logits[:, :self.config.vocab_size]
         return logits.float()

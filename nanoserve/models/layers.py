@@ -72,42 +72,16 @@ SKINNY_MAX_ROWS = 1  # one row: 0.22 ms a step faster than cuBLAS on an H200; fo
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose products of a single row (batch-1 decode) on CUDA run the Triton skinny
-    matmul, which streams the weight closer to the device bandwidth than cuBLAS's kernels for
-    them, with the row-wise work before it (norm, SiLU-and-multiply) in the same kernel
-    (models/triton_linear.py; tools/bench_linear.py measures it). Elsewhere: F.linear after
-    the `@fused` functions, the reference the GPU tests hold the skinny kernels to."""
-
-    def _skinny(self, x: torch.Tensor) -> bool:
-        if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and
-                fusion.is_enabled()):
-            return False
-        from nanoserve.models.triton_linear import supports  # Triton: CUDA only
-        return supports(x, self.weight)
+    """nn.Linear whose products of a few rows (decode) on CUDA run the Triton skinny matmul,
+    which streams the weight closer to the device bandwidth than cuBLAS's kernels for them
+    (models/triton_linear.py; tools/bench_linear.py measures both)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._skinny(x):
-            from nanoserve.models.triton_linear import skinny_linear
-            return skinny_linear(x, self.weight, self.bias)
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion.is_enabled():
+            from nanoserve.models.triton_linear import skinny_linear, supports  # CUDA only
+            if supports(x, self.weight):
+                return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def norm_forward(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, self(norm(x + delta))); with delta None, (x, self(norm(x)))."""
-        if self._skinny(x):
-            from nanoserve.models.triton_linear import skinny_norm_linear
-            return skinny_norm_linear(x, delta, norm.weight, norm.eps, self.weight, self.bias)
-        if delta is None:
-            return x, self(norm(x))
-        x, h = norm.add_forward(x, delta)
-        return x, self(h)
-
-    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up = [gate | up]."""
-        if self._skinny(gate_up):
-            from nanoserve.models.triton_linear import skinny_silu_mul_linear
-            return skinny_silu_mul_linear(gate_up, self.weight, self.bias)
-        return self(silu_and_mul(gate_up))
 
 
 class MergedLinear(Linear):
