@@ -55,6 +55,8 @@ def worker(rank: int, size: int, port: int, sizes: list[int]) -> None:
             bus = 2 * (size - 1) / size * nbytes / (graphed * 1e-6) / 1e9
             print(f"TP={size} {nbytes:>10,d} B: eager {eager:8.1f} us, in a graph {graphed:8.1f} "
                   f"us ({bus:6.1f} GB/s bus)", flush=True)
+        del graph  # a captured collective outliving the group hangs its teardown
+        torch.cuda.synchronize()
         dist.barrier()
     dist.destroy_process_group()
 
