@@ -143,8 +143,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg, max_len)
         # this rank's rows of the vocabulary, as the embedding's (a tied head shares them)
-        self.lm_head = Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1],
-                                 bias=False)
+        self.lm_head = Linear(cfg.hidden_size, shard_padded(cfg.vocab_size)[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -68,13 +68,15 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, delta, self.weight, self.eps)
 
 
-SKINNY_MAX_ROWS = 1  # one row: 0.22 ms a step faster than cuBLAS on an H200; four: the same
+# one row: 0.22 ms a step faster than cuBLAS on an H200 (Qwen3-8B); 16 rows: the same; 64 rows:
+# 0.39 ms slower (tools/bench_linear.py)
+SKINNY_MAX_ROWS = 1
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose products of a few rows (decode) on CUDA run the Triton skinny matmul,
+    """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
     which streams the weight closer to the device bandwidth than cuBLAS's kernels for them
-    (models/triton_linear.py; tools/bench_linear.py measures both)."""
+    (models/triton_linear.py). `enable_fusion=False` keeps cuBLAS everywhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion.is_enabled():

@@ -2,11 +2,12 @@
 and a weight w [n, k], the weight streamed once.
 
 At batch 1 a decode step's linear layers are reads of their weights; cuBLAS's kernels for a
-single row reach 75-79% of the device bandwidth on qkv, o and down (an H200, Qwen3-8B's
+single row reach 73-80% of the device bandwidth on qkv, o and down (an H200, Qwen3-8B's
 shapes) and some add split-K reductions. Here each program owns `block_n` output
 columns over all of k (no split, no reduction kernel), and the weight tiles arrive through
 `num_stages` asynchronous copies, so enough bytes are in flight to keep the memory busy.
-tools/bench_linear.py measures it against torch's F.linear per shape.
+tools/bench_linear.py measures it against torch's F.linear per shape: ahead at one row (o 89%
+against 73%, down 86% against 78%), even at 16, behind at 64; layers.Linear uses it for one.
 """
 
 from __future__ import annotations
