@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
+from nanoserve.cuda_timing import median_ms
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
@@ -49,31 +50,17 @@ MODES = {
 
 
 # --- ceilings -------------------------------------------------------------------------------
-def _time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def measure_ceilings() -> dict:
     n = 256 << 20
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    h2d = n / _time_ms(lambda: dev.copy_(host, non_blocking=True)) / 1e6
+    h2d = n / median_ms(lambda: dev.copy_(host, non_blocking=True)) / 1e6
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     big2 = torch.empty_like(big)
-    hbm = 2 * big.numel() / _time_ms(lambda: big2.copy_(big)) / 1e6
+    hbm = 2 * big.numel() / median_ms(lambda: big2.copy_(big)) / 1e6
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    tflops = 2 * 8192**3 / _time_ms(lambda: a @ b) / 1e9
+    tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
     return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops}
 
 

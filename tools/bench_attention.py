@@ -9,11 +9,12 @@ d=128, bf16); batches of short prompts are timed too. Usage (GPU):
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from nanoserve.cuda_timing import median_ms
 
 H, HKV, D = 32, 8, 128
 SCALE = D**-0.5
@@ -104,20 +105,6 @@ def reference(q, k, v, p):
     return bhsd_out(s.softmax(-1) @ vd)
 
 
-def timed(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def data(t, p, dev="cuda"):
     g = torch.Generator(device=dev).manual_seed(t * 7 + p)
     q = torch.randn(t, H, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -149,7 +136,7 @@ def main() -> None:
         flops = 4 * H * D * (t * p + t * t / 2)
         for name, fn in CANDIDATES.items():
             try:
-                ms = timed(lambda fn=fn, q=q, k=k, v=v, p=p: fn(q, k, v, p))
+                ms = median_ms(lambda fn=fn, q=q, k=k, v=v, p=p: fn(q, k, v, p), reps=5)
                 print(f"T={t} P={p:<7} {name:<30} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s")
             except Exception as e:  # noqa: BLE001
                 print(f"T={t} P={p:<7} {name:<30} ERR {type(e).__name__}: {str(e)[:80]}")
@@ -172,7 +159,7 @@ def main() -> None:
     }
     for name, fn in loops.items():
         try:
-            ms = timed(fn)
+            ms = median_ms(fn, reps=5)
             print(f"{n}x{t} {name:<28} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001
             print(f"{n}x{t} {name:<28} ERR {type(e).__name__}: {str(e)[:80]}")

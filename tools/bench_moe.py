@@ -15,6 +15,7 @@ import statistics
 
 import torch
 
+from nanoserve.cuda_timing import median_ms
 from nanoserve.models import moe
 
 H, E, K, INTER = 2048, 128, 8, 768
@@ -22,24 +23,10 @@ EXPERT_BYTES = 3 * H * INTER * 2
 ROUTER_BYTES = E * H * 2
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def hbm_GBps() -> float:
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     big2 = torch.empty_like(big)
-    return 2 * big.numel() / time_ms(lambda: big2.copy_(big)) / 1e6
+    return 2 * big.numel() / median_ms(lambda: big2.copy_(big), reps=20) / 1e6
 
 
 def blocks(n: int) -> list[moe.SparseMoE]:
@@ -87,14 +74,14 @@ def main() -> None:
                 row += f"{'-':>12}{'':>6}"
                 continue
             if path == "loop":
-                ms = time_ms(functools.partial(run_layers, layers, xs))
+                ms = median_ms(functools.partial(run_layers, layers, xs), reps=20)
             else:
                 run_layers(layers, xs)  # warm-up: compilation, workspaces
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     run_layers(layers, xs)
-                ms = time_ms(graph.replay)
+                ms = median_ms(graph.replay, reps=20)
             us = ms * 1e3 / len(layers)
             row += f"{us:>12.1f}{us / floor_us:>6.2f}"
         print(row)

@@ -4,12 +4,12 @@ python tools/profile_sampler.py --batch-size 64 --vocab 151936"""
 from __future__ import annotations
 
 import argparse
-import statistics
 from types import SimpleNamespace
 
 import torch
 
 from nanoserve import SamplingParams
+from nanoserve.cuda_timing import median_ms
 from nanoserve.engine.sampler import build_sampling_tensors, sample
 
 CONFIGS = {
@@ -22,18 +22,6 @@ CONFIGS = {
     "t0.8 penalties": SamplingParams(temperature=0.8, presence_penalty=0.5,
                                      frequency_penalty=0.5, repetition_penalty=1.1),
 }
-
-
-def time_ms(fn, repeats: int = 50) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,7 +44,7 @@ def main() -> None:
                    torch.bfloat16)
 
         step()
-        print(f"{name:28s} {time_ms(step):7.3f} ms per step (batch {a.batch_size})")
+        print(f"{name:28s} {median_ms(step, reps=50):7.3f} ms per step (batch {a.batch_size})")
         if name == a.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -65,8 +53,9 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                             max_name_column_width=60))
     print(f"{'torch.sort alone':28s} "
-          f"{time_ms(lambda: torch.sort(logits, dim=-1, descending=True)):7.3f} ms")
-    print(f"{'torch.topk(50) alone':28s} {time_ms(lambda: torch.topk(logits, 50, dim=-1)):7.3f} ms")
+          f"{median_ms(lambda: torch.sort(logits, dim=-1, descending=True), reps=50):7.3f} ms")
+    topk = median_ms(lambda: torch.topk(logits, 50, dim=-1), reps=50)
+    print(f"{'torch.topk(50) alone':28s} {topk:7.3f} ms")
 
 
 if __name__ == "__main__":
