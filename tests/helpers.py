@@ -1,4 +1,5 @@
-"""The tests' shared helpers: one LLM factory, all-position logits, host-KV corruption."""
+"""The tests' shared helpers: LLM factories (CPU and GPU), all-position logits, host-KV
+corruption."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def make_llm(path, **kw) -> LLM:
     if kw["device"] == "cpu":
         kw.setdefault("dtype", "float32")
     return LLM(None if path is None else str(path), progress=False, **kw)
+
+
+def make_gpu_llm(path, **kw) -> LLM:
+    """The GPU tests' engine: 16-token pages, 8 sequences, 4096 tokens, 512-token chunks."""
+    return make_llm(path, **{"device": "cuda", "page_size": 16, "max_num_seqs": 8,
+                             "max_model_len": 4096, "max_num_batched_tokens": 512, **kw})
 
 
 @torch.inference_mode()

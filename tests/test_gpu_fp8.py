@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import make_llm
+from helpers import make_gpu_llm
 from test_gpu_kernels import reference_decode
 
 from nanoserve import LLM, SamplingParams
@@ -138,8 +138,7 @@ def model_dir(tmp_path_factory):
 
 
 def llm_for(path, **kw):
-    return make_llm(path, device="cuda", page_size=16, max_num_seqs=8, max_model_len=4096,
-                    max_num_batched_tokens=512, kv_cache_dtype="fp8", **kw)
+    return make_gpu_llm(path, kv_cache_dtype="fp8", **kw)
 
 
 def decode_logits(llm: LLM, prompts, steps: int = 5) -> torch.Tensor:

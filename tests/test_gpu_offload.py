@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import corrupt_host_kv, make_llm
+from helpers import corrupt_host_kv, make_gpu_llm
 
 from nanoserve import LLM, SamplingParams
 
@@ -24,9 +24,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def llm_for(path, **kw):
-    return make_llm(path, device="cuda", page_size=16, max_num_seqs=8, max_model_len=4096,
-                    max_num_batched_tokens=512, **kw)
+llm_for = make_gpu_llm
 
 
 @pytest.mark.parametrize("eager", [True, False])
