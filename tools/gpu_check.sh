@@ -86,7 +86,8 @@ for w in $what; do
         | grep --line-buffered -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
     allreduce)  # issue 15: NCCL's transport between the GPUs and an all-reduce's time by size
       run python3 tools/bench_allreduce.py --tp "2,$(nvidia-smi -L | wc -l)" 2>&1 | tee "$OUT/allreduce.log" | tail -8
-      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET python3 tools/bench_allreduce.py --tp 2 --sizes 8K 2>&1 \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET timeout -s ABRT "${STEP_TIMEOUT:-0}" \
+        python3 tools/bench_allreduce.py --tp 2 --sizes 8K 2>&1 \
         | sed 's/^.*NCCL INFO //' | grep -E " via |P2P|SHM|TP=" | sort | uniq -c | sort -rn | head -12 ;;
     tp32k)  # issue 15: resident 32K at TP 1, 2(, 4), batch 1
       n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
