@@ -9,7 +9,8 @@ Tails: each running sequence's last, partly filled page of every streamed layer 
 (`tails[j, :, row]`), written by decode steps; it goes to the host in one copy per layer when the
 page fills. Row `max_seqs` is a dummy for padded graph rows.
 
-Ordering invariants (all through events, no host synchronization):
+Ordering invariants (all through events and the copy stream's queue order, no host
+synchronization, so they hold for a step launched before the last one's tokens are read):
 - A slot is overwritten by a load only after the compute that read it finished (compute_done).
 - Compute reads a slot only after its load finished (load_done).
 - Device->host copies of a slot are issued on the copy stream after compute_done, so the next

@@ -44,6 +44,30 @@ def test_offload_tokens_equal_resident(model_dir, resident, batch, eager):
 
 
 @pytest.mark.parametrize("eager", [True, False])
+def test_async_offload_stops_where_synchronous_offload_does(model_dir, eager):
+    """Every layer streamed, async scheduling on the GPU's streams: sequences that stop in
+    decode steps (each on a token it emits there first) give the synchronous engine's tokens,
+    nothing after their stop, and every page comes back."""
+    prompts = random_prompts(4, [700, 37, 260, 1500], vocab=2048, seed=11)
+    engines = [llm_for(model_dir, enable_offload=True, resident_layers=0, host_kv_budget_gib=1,
+                       enforce_eager=eager, async_scheduling=a) for a in (False, True)]
+    free = [o.token_ids for o in engines[0].generate(prompts, GREEDY)]
+    # prompt i stops on the i-th token its free run emits for the first time in a decode step
+    # (its last such token if it has fewer; one it never emits if none: it runs to the end)
+    firsts = [[t[k] for k in range(1, 40) if t[k] not in t[:k]] for t in free]
+    stops = [new[min(i, len(new) - 1)] if new else next(x for x in range(2048) if x not in t)
+             for i, (new, t) in enumerate(zip(firsts, free, strict=True))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[x], ignore_eos=True)
+              for x in stops]
+    sync, got = ([o.token_ids for o in llm.generate(prompts, params)] for llm in engines)
+    assert got == sync
+    for ids, full, x in zip(got, free, stops, strict=True):
+        assert ids == (full[:full.index(x) + 1] if x in full else full)
+    kv = engines[1].engine.kv
+    assert kv.plan.streamed_layers == 6 and kv.num_free == kv.capacity
+
+
+@pytest.mark.parametrize("eager", [True, False])
 def test_offload_decode_logits_are_bitwise_equal_to_resident(model_dir, eager):
     """Same kernels read the same numbers: the decode step's logits match exactly, eager
     against eager, and per-layer graphs against the whole-model graph."""

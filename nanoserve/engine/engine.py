@@ -179,7 +179,9 @@ class LLMEngine:
         in the previous step has then already been given a row in the new one: that row's token
         is discarded when it is read (Scheduler.postprocess skips finished sequences), and the
         KV it writes lands in pages just freed, which the stream's order keeps from any later
-        owner until it is done."""
+        owner until it is done. With streamed layers the copy stream's order does the same for
+        tails, ring slots and host pages: every ordering there is queued, none waits on the
+        host (offload/streamer.py)."""
         if self.workers is not None:
             self.workers.check()
         ahead = self._can_launch_ahead()

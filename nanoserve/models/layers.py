@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve import fused as fusion
 from nanoserve.fused import fused
+from nanoserve.fused import is_enabled as fusion_enabled
 from nanoserve.models.rope import inv_freq_and_attention_factor
 
 
@@ -75,12 +75,14 @@ SKINNY_MAX_ROWS = 1
 
 class Linear(nn.Linear):
     """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
-    which streams the weight closer to the device bandwidth than cuBLAS's kernels for them
-    (models/triton_linear.py). `enable_fusion=False` keeps cuBLAS everywhere."""
+    which streams o, down, gate_up and lm_head's weights closer to the device bandwidth than
+    cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py).
+    `enable_fusion=False` keeps cuBLAS everywhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion.is_enabled():
-            from nanoserve.models.triton_linear import skinny_linear, supports  # CUDA only
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion_enabled():
+            # imported here: Triton exists only with CUDA (and a test patches skinny_linear)
+            from nanoserve.models.triton_linear import skinny_linear, supports
             if supports(x, self.weight):
                 return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -31,8 +31,8 @@ class LinearTiles(NamedTuple):
 
 def tiles_for(n: int) -> LinearTiles:
     """Measured at one row on an H200 (tools/bench_linear.py, Qwen3-8B's shapes): 32 columns
-    by 256 for qkv, o and down (n <= 6144; 81-88% of the bandwidth, cuBLAS 75-79%), 64 by 128
-    for gate_up and lm_head (100-108%, cuBLAS 100-103%: L2 hits push past the floor)."""
+    by 256 for the narrower weights (qkv, o, down: 79-89% of the bandwidth, cuBLAS 73-80%), 64
+    by 128 for the wider (gate_up 99%, lm_head 106%: L2 hits push past the floor)."""
     return LinearTiles(32, 256, 4, 4) if n <= 8192 else LinearTiles(64, 128, 4, 4)
 
 
@@ -76,6 +76,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m, k = x.shape
     n = weight.shape[0]
     tiles = tiles or tiles_for(n)
+    assert 0 < m <= MAX_ROWS and k % tiles.block_k == 0, (m, k, tiles)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
