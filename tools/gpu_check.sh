@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: GPU test suite, needle runs, engine runs and benchmarks.
+# One device call: GPU test suite, needle runs, engine runs and benchmarks. Before spending device
+# time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
 #                            sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...

@@ -1,0 +1,97 @@
+"""Compiles every hand-written Triton kernel of nanoserve for Hopper (sm_90) without a GPU:
+each kernel goes through its real launch wrapper, on CPU tensors of the Qwen3-8B shape, with
+the launch itself skipped. A compile error (a Python global the JIT cannot read, a loop
+variable that changes type) then costs no device time. Needs triton beside CPU torch, in its
+own environment (the project's test environment has none):
+
+    python -m venv /tmp/tv && . /tmp/tv/bin/activate
+    pip install torch==2.13.0 triton==3.6.0 && pip install -e .
+    python tools/check_kernels.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver, jit
+
+
+class _CompileOnlyDriver:
+    """Enough of triton's driver for a compile: device 0, an sm_90 target, no launches."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def compile_only() -> None:
+    """From here on, launching a Triton kernel compiles it and returns."""
+    driver.set_active(_CompileOnlyDriver())
+    run = jit.JITFunction.run
+
+    def warmup_run(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    jit.JITFunction.run = warmup_run
+
+
+def cases():
+    """(name, launch) for every kernel and its variants (dtypes, flags)."""
+    from nanoserve.attention.triton_decode import paged_decode_attention
+    from nanoserve.attention.triton_kv_store import store_fp8
+    from nanoserve.attention.triton_rope_store import rope_and_store
+    from nanoserve.kv.fp8 import FP8
+    from nanoserve.models.triton_linear import skinny_linear
+
+    bf16, pages, page, heads, kv_heads, d = torch.bfloat16, 8, 256, 32, 8, 128
+    q = torch.zeros(4, heads, d, dtype=bf16)
+    k = v = torch.zeros(4, kv_heads, d, dtype=bf16)
+    table = torch.zeros(4, pages, dtype=torch.int32)
+    lens = torch.ones(4, dtype=torch.int32)
+    slots = torch.zeros(4, dtype=torch.int64)
+    caches = {dt: torch.zeros(2, pages, page, kv_heads, d, dtype=dt) for dt in (bf16, FP8)}
+    scales = torch.ones(2, pages, page, kv_heads)
+    cos_sin = torch.zeros(64, d)
+    positions = torch.zeros(4, dtype=torch.int64)
+    norm = (torch.ones(d, dtype=bf16), torch.ones(d, dtype=bf16), 1e-6)
+    yield "decode attention, bf16 KV", lambda: paged_decode_attention(
+        q, caches[bf16][0], caches[bf16][1], table, lens, d**-0.5, 8)
+    yield "decode attention, FP8 KV", lambda: paged_decode_attention(
+        q, caches[FP8][0], caches[FP8][1], table, lens, d**-0.5, 8, k_scale=scales[0],
+        v_scale=scales[1])
+    for qk_norm in (norm, None):
+        yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
+            rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],
+                           caches[bf16][1], slots)
+    yield "FP8 KV store", lambda: store_fp8(k, v, caches[FP8][0], caches[FP8][1], scales[0],
+                                            scales[1], slots)
+    for n, kk in ((6144, 4096), (151936, 4096)):
+        yield f"skinny matmul {n} x {kk}", lambda n=n, kk=kk: skinny_linear(
+            torch.zeros(1, kk, dtype=bf16), torch.zeros(n, kk, dtype=bf16))
+
+
+def main() -> None:
+    compile_only()
+    failed = 0
+    for name, launch in cases():
+        try:
+            launch()
+            print(f"ok      {name}")
+        except Exception as e:  # noqa: BLE001 - every compile error is reported, then the next
+            failed += 1
+            print(f"FAILED  {name}: {type(e).__name__}: {str(e)[:2000]}")
+    print(f"{failed} of the kernels failed to compile for sm_90 (triton {triton.__version__})")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
