@@ -3,6 +3,8 @@ corruption."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from nanoserve import LLM, SamplingParams
@@ -73,3 +75,23 @@ def corrupt_host_scales(engine, layer: int, pages: list[int], value: float) -> N
     `value`, their values untouched."""
     for scales in host_kv_views(engine, layer)[2:]:
         scales[pages] = value
+
+
+def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
+    """GPU: the Qwen3-8B shape with dummy weights; a 32K prompt's 8 greedy tokens through a GPU
+    KV budget too small for its KV (some layers streamed) equal the resident engine's."""
+    from conftest import random_prompts
+
+    prompt = random_prompts(1, [32768], vocab=151936, seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    common = dict(dummy_weights=True, max_model_len=32768 + 16, max_num_seqs=1, progress=False,
+                  **kw)
+    resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0].token_ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM("Qwen3-8B", enable_offload=True, gpu_kv_budget_gib=gpu_kv_budget_gib, **common)
+    plan = llm.engine.kv.plan
+    assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
+    out = llm.generate(prompt, params)[0]
+    assert out.error is None and out.token_ids == resident
+

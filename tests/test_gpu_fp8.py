@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import make_gpu_llm
+from helpers import assert_32k_offload_equals_resident, make_gpu_llm
 from test_gpu_kernels import reference_decode
 
 from nanoserve import LLM, SamplingParams
@@ -207,18 +207,7 @@ def test_fp8_graph_replay_equals_eager(model_dir):
 def test_fp8_32k_context_through_a_half_gib_gpu_kv_budget_equals_resident():
     """Qwen3-8B shape, dummy weights, FP8: 32K tokens of KV (2.3 GiB) through a 0.5 GiB GPU
     budget give the resident FP8 engine's tokens."""
-    prompt = random_prompts(1, [32768], vocab=151936, seed=11)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    common = dict(dummy_weights=True, max_model_len=32768 + 16, max_num_seqs=1, progress=False,
-                  kv_cache_dtype="fp8")
-    resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0].token_ids
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = LLM("Qwen3-8B", enable_offload=True, gpu_kv_budget_gib=0.5, **common)
-    plan = llm.engine.kv.plan
-    assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
-    out = llm.generate(prompt, params)[0]
-    assert out.error is None and out.token_ids == resident
+    assert_32k_offload_equals_resident(0.5, kv_cache_dtype="fp8")
 
 
 # --- accuracy against bf16 KV, the Qwen3-8B shape -----------------------------------------------

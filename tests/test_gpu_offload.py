@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import corrupt_host_kv, make_gpu_llm
+from helpers import assert_32k_offload_equals_resident, corrupt_host_kv, make_gpu_llm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -111,14 +109,4 @@ def test_corrupted_streamed_kv_changes_the_tokens(model_dir):
 def test_32k_context_larger_than_a_1gib_gpu_kv_budget_completes():
     """Qwen3-8B shape, dummy weights: 32K tokens of KV (4.5 GiB) through a 1 GiB GPU budget
     gives the tokens the resident engine gives."""
-    prompt = random_prompts(1, [32768], vocab=151936, seed=11)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    common = dict(dummy_weights=True, max_model_len=32768 + 16, max_num_seqs=1, progress=False)
-    resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0].token_ids
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = LLM("Qwen3-8B", enable_offload=True, gpu_kv_budget_gib=1.0, **common)
-    plan = llm.engine.kv.plan
-    assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
-    out = llm.generate(prompt, params)[0]
-    assert out.error is None and out.token_ids == resident
+    assert_32k_offload_equals_resident(1.0)
