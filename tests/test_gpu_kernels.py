@@ -67,6 +67,20 @@ def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_siz
     assert rel < 1e-2, f"relative error {rel}"
 
 
+@pytest.mark.parametrize("lens", [[7], [300, 4096], [2048] * 16])
+def test_triton_decode_with_one_split_writes_the_output_itself(lens):
+    """One split: no merge kernel, the split kernel's normalized output stored directly, within
+    the split path's bound of float64."""
+    from nanoserve.attention.triton_decode import paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(lens))
+    q, kc, vc, table, lens_t = random_paged(len(lens), lens, 32, 8, 128, 256, torch.bfloat16,
+                                            gen)
+    out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 1)
+    ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_triton_decode_fp32_is_tight():
     from nanoserve.attention.triton_decode import paged_decode_attention
 

@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64,128", help="KV tokens per tile to try")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--mults", default="1,2", help="multiples of the default split count")
+    ap.add_argument("--mults", default="1,2", help="multiples of the default split count (0:"
+                    " one split, the kernel writing the output itself, no merge)")
     ap.add_argument("--f16-dot", action="store_true", help="FP8: also try float16 dots")
     ap.add_argument("--tma", action="store_true",
                     help="also try K/V tiles through TMA descriptors (Tiles.tma)")
@@ -77,7 +78,7 @@ def main() -> None:
             results = []
             for tiles, mult in itertools.product(candidates, ints(args.mults)):
                 tiles = tiles._replace(split_factor=1)  # the multiplier is `mult` here
-                splits = min(base * mult, triton.cdiv(ctx, tiles.block_n))
+                splits = max(1, min(base * mult, triton.cdiv(ctx, tiles.block_n)))
                 try:
                     def attend(tiles=tiles, splits=splits):
                         paged_decode_attention(q, k, v, table, lens, D**-0.5, splits,  # noqa: B023

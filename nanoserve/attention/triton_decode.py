@@ -72,6 +72,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -147,9 +148,12 @@ def _decode_split_kernel(
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     out = tl.where(has_work, acc / safe_l[:, None], 0.0)
     lse = tl.where(has_work, m + tl.log(safe_l), float("-inf"))
+    # DIRECT (one split): MidO is the output itself, in its dtype; no log-sum-exp, no merge
     tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos
-             + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
+             + offs_d[None, :], out.to(MidO.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+    if not DIRECT:
+        tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
 
 
 @triton.jit
@@ -211,10 +215,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           for c in (k_cache, v_cache))
     else:  # never read
         k_desc = v_desc = k_cache
-    mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
+    direct = num_splits == 1  # the split kernel writes the output: no merge kernel
+    mid_o = out.unsqueeze(2) if direct else \
+        torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
@@ -231,9 +237,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot, TMA=tiles.tma,
+        DIRECT=direct,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if direct:
+        return out
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
