@@ -56,10 +56,11 @@ def paged_fp8(lens, kv_heads, d, page_size, gen):
 @pytest.mark.parametrize("lens", [[1], [7], [300], [4096], [32768], [1, 5000, 77],
                                   [2048] * 16, [40000, 3, 900, 12000]])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
-@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("page_size, tma", [(16, False), (256, False), (256, True)],
+                         ids=["page16", "page256", "page256-tma"])
 @pytest.mark.parametrize("f16_dot", [False, True])
 def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, heads, kv_heads,
-                                                                       page_size, f16_dot):
+                                                                       page_size, tma, f16_dot):
     """The kernel's only error is its own arithmetic: the same bound as the bf16 kernel's
     against float64 on the dequantized K/V, with bf16 dots and with float16 dots (whose V
     scales of 1e-3-magnitude values would fall to float16's subnormals if applied as is)."""
@@ -75,8 +76,9 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
+    tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma)
     out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
-                                 v_scale=v_scale, tiles=TILES["fp8"]._replace(f16_dot=f16_dot))
+                                 v_scale=v_scale, tiles=tiles)
     ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
                            dequantize.eager(v, v_scale, torch.float64), table, lens_t, scale)
     rel = ((out.double() - ref).norm() / ref.norm()).item()

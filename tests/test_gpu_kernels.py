@@ -42,9 +42,14 @@ def random_paged(batch, lens, heads, kv_heads, d, page_size, dtype, gen):
 @pytest.mark.parametrize("lens", [[1], [7], [300], [4096], [32768], [131072], [1, 5000, 77],
                                   [2048] * 16, [40000, 3, 900, 12000]])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
-@pytest.mark.parametrize("page_size", [16, 256])
-def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_size):
-    from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+@pytest.mark.parametrize("page_size, tma", [(16, False), (256, False), (256, True)],
+                         ids=["page16", "page256", "page256-tma"])
+def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_size, tma):
+    from nanoserve.attention.triton_decode import (
+        TILES,
+        num_splits_for,
+        paged_decode_attention,
+    )
 
     if max(lens) >= 131072 and (page_size, heads) != (256, 32):
         pytest.skip("the 128K case runs once, for the main shape, to bound the test's time")
@@ -54,11 +59,26 @@ def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_siz
                                             torch.bfloat16, gen)
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
-    out = paged_decode_attention(q, kc, vc, table, lens_t, scale, splits)
+    out = paged_decode_attention(q, kc, vc, table, lens_t, scale, splits,
+                                 tiles=TILES["default"]._replace(tma=tma))
     ref = reference_decode(q, kc, vc, table, lens_t, scale)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all()
     assert rel < 1e-2, f"relative error {rel}"
+
+
+@pytest.mark.parametrize("lens", [[7], [300, 4096], [2048] * 16])
+def test_triton_decode_with_one_split_writes_the_output_itself(lens):
+    """One split: no merge kernel, the split kernel's normalized output stored directly, within
+    the split path's bound of float64."""
+    from nanoserve.attention.triton_decode import paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(lens))
+    q, kc, vc, table, lens_t = random_paged(len(lens), lens, 32, 8, 128, 256, torch.bfloat16,
+                                            gen)
+    out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 1)
+    ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def test_triton_decode_fp32_is_tight():

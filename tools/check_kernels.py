@@ -46,7 +46,7 @@ def compile_only() -> None:
 
 def cases():
     """(name, launch) for every kernel and its variants (dtypes, flags)."""
-    from nanoserve.attention.triton_decode import paged_decode_attention
+    from nanoserve.attention.triton_decode import Tiles, paged_decode_attention
     from nanoserve.attention.triton_kv_store import store_fp8
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8 import FP8
@@ -68,6 +68,11 @@ def cases():
     yield "decode attention, FP8 KV", lambda: paged_decode_attention(
         q, caches[FP8][0], caches[FP8][1], table, lens, d**-0.5, 8, k_scale=scales[0],
         v_scale=scales[1])
+    for dt, tiles in ((bf16, Tiles(64, 4, 2, tma=True)), (FP8, Tiles(128, 4, 3, tma=True))):
+        kv_scales = {"k_scale": scales[0], "v_scale": scales[1]} if dt == FP8 else {}
+        yield f"decode attention, {dt}, TMA", lambda dt=dt, tiles=tiles, kw=kv_scales: \
+            paged_decode_attention(q, caches[dt][0], caches[dt][1], table, lens, d**-0.5, 8,
+                                   tiles=tiles, **kw)
     for qk_norm in (norm, None):
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
@@ -28,12 +29,17 @@ class Tiles(NamedTuple):
     """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages; for FP8 KV
     whether the dots run in float16 (e4m3 converts to float16 in one instruction, to bfloat16
     not; q and the probabilities are rounded to float16 then, not to the model's dtype); and
-    how many times the caller's split count (num_splits_for) to launch."""
+    how many times the caller's split count (num_splits_for) to launch; whether K/V tiles are
+    read through TMA tensor descriptors: each tile lies in one page (page_size % block_n == 0),
+    so it is one box of the cache, copied to shared memory asynchronously and pipelined over
+    num_stages however the loop converts it (FP8), where pointer loads of FP8 go through
+    registers first."""
     block_n: int
     num_warps: int
     num_stages: int
     f16_dot: bool = False
     split_factor: int = 1
+    tma: bool = False  # K/V tiles through TMA descriptors (async copies to shared memory)
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -55,7 +61,7 @@ def default_tiles(scaled: bool, batch: int) -> Tiles:
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, KScale, VScale, PageTable, ContextLens, MidO, MidLse, scale,
+    Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, MidO, MidLse, scale,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -65,7 +71,8 @@ def _decode_split_kernel(
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -94,11 +101,20 @@ def _decode_split_kernel(
     for t in range(tile_lo, tile_hi):
         tok = t * BLOCK_N + offs_n
         n_mask = tok < ctx_len
-        page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = tok % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if TMA:  # the tile is one box of its page; rows past ctx_len are read, then masked
+            first = (t * BLOCK_N) % PAGE_SIZE
+            page_id = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE)
+            k = KDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = VDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = tl.where(n_mask[:, None], v, tl.zeros_like(v))  # no NaN bytes into p.V
+            page = tl.full([BLOCK_N], page_id, tl.int64)
+            slot = first + offs_n
+        else:
+            page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = tok % PAGE_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt
+                        + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if SCALED:
@@ -112,8 +128,9 @@ def _decode_split_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not TMA:
+            v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                        + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # each token's V scale, folded into its column of the probabilities
             v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
             if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
@@ -131,9 +148,12 @@ def _decode_split_kernel(
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     out = tl.where(has_work, acc / safe_l[:, None], 0.0)
     lse = tl.where(has_work, m + tl.log(safe_l), float("-inf"))
+    # DIRECT (one split): MidO is the output itself, in its dtype; no log-sum-exp, no merge
     tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos
-             + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
+             + offs_d[None, :], out.to(MidO.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+    if not DIRECT:
+        tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
 
 
 @triton.jit
@@ -188,15 +208,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert k_scale.stride() == v_scale.stride()
     else:  # never read: the unscaled kernel has no scale loads
         k_scale = v_scale = k_cache
-    mid_o = torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    if tiles.tma:
+        assert page_size % tiles.block_n == 0 and d == triton.next_power_of_2(d)
+        box = [1, tiles.block_n, 1, d]
+        k_desc, v_desc = (TensorDescriptor(c, list(c.shape), list(c.stride()), box)
+                          for c in (k_cache, v_cache))
+    else:  # never read
+        k_desc = v_desc = k_cache
     if out is None:
         out = torch.empty_like(q)
+    direct = num_splits == 1  # the split kernel writes the output: no merge kernel
+    mid_o = out.unsqueeze(2) if direct else \
+        torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, mid_o, mid_lse, scale,
+        q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens, mid_o,
+        mid_lse, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -206,10 +236,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
-        PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot,
+        PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot, TMA=tiles.tma,
+        DIRECT=direct,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if direct:
+        return out
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
