@@ -68,6 +68,8 @@ def cases():
     yield "decode attention, FP8 KV", lambda: paged_decode_attention(
         q, caches[FP8][0], caches[FP8][1], table, lens, d**-0.5, 8, k_scale=scales[0],
         v_scale=scales[1])
+    yield "decode attention, bf16 KV, one split (no merge)", lambda: paged_decode_attention(
+        q, caches[bf16][0], caches[bf16][1], table, lens, d**-0.5, 1)
     for dt, tiles in ((bf16, Tiles(64, 4, 2, tma=True)), (FP8, Tiles(128, 4, 3, tma=True))):
         kv_scales = {"k_scale": scales[0], "v_scale": scales[1]} if dt == FP8 else {}
         yield f"decode attention, {dt}, TMA", lambda dt=dt, tiles=tiles, kw=kv_scales: \

@@ -22,7 +22,7 @@ B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
     tests)  # one H200: 315 s at session 7's end, over 340 s since; give it a call of its own
-      run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s 2>&1 \
+      run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     needle)
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
