@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -24,6 +24,11 @@ for w in $what; do
     tests)  # one H200: 315 s at session 7's end, over 340 s since; give it a call of its own
       run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
+    kernels)  # the hand-written kernels against their references, PDL, and the engine on them
+      run python3 -m pytest -q -m gpu tests/test_gpu_pdl.py tests/test_gpu_kernels.py \
+        tests/test_gpu_linear.py tests/test_gpu_rope_store.py tests/test_gpu_engine.py \
+        -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee "$OUT/pytest_kernels.log" \
+        | grep -E "passed|failed|FAIL|Error|^E  " | tail -30 ;;
     needle)
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
         run python3 tests/test_needle.py --input-len 32768 --depths 0,0.1,...,1 $m 2>&1 | tail -15 | tee -a "$OUT/needle.log"
