@@ -20,8 +20,6 @@ from typing import TypeVar
 
 import torch
 
-from nanoserve import pdl
-
 F = TypeVar("F", bound=Callable)
 
 _enabled = True
@@ -51,8 +49,8 @@ def fused(fn: F) -> F:
             # count 1, and any other); the default limit of 8 would fall back to eager
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        RECOMPILE_LIMIT)
-            compiled = torch.compile(fn, fullgraph=True, options={
-                "emulate_precision_casts": True, **pdl.inductor_options(args[0].device)})
+            compiled = torch.compile(fn, fullgraph=True,
+                                     options={"emulate_precision_casts": True})
         n = args[0].shape[0]
         if n > 1:  # the token dimension is dynamic from the first call on
             for a in args:

@@ -57,21 +57,15 @@ for w in $what; do
           --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
           2>&1 | grep -v "it/s\]" | tail -3)
       fi ;;
-    decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K, PDL on and off
+    decode)  # issue 17: TPOT at batch 1 / 32K and 64 x 512, async scheduling on and off
       for i in ${REPS:-1}; do
-        for p in ${DECODE_PDL:-1 0}; do  # NANOSERVE_PDL (nanoserve/pdl.py)
-          for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous
-            export NANOSERVE_PDL=$p
-            run $B --input-len 32768 --output-len 128 --resident-graph $a \
-              --out "$OUT/dec1-pdl$p$a$i" 2>&1 | grep -v "it/s\]" | tail -1
-            run $B --input-len 512 --batch-size 64 --output-len 128 --resident-graph $a \
-              --out "$OUT/dec64-pdl$p$a$i" 2>&1 | grep -v "it/s\]" | tail -1
-            run $B --input-len 4096 --output-len 128 --offload-graph $a \
-              --out "$OUT/off4k-pdl$p$a$i" 2>&1 | grep -v "it/s\]" | tail -1
-          done
+        for a in "" ${DECODE_SYNC---sync-scheduling}; do  # DECODE_SYNC= : async only
+          run $B --input-len 32768 --output-len 128 --resident-graph $a --out "$OUT/dec1$a$i" \
+            2>&1 | grep -v "it/s\]" | tail -1
+          run $B --input-len 512 --batch-size 64 --output-len 128 --resident-graph $a \
+            --out "$OUT/dec64$a$i" 2>&1 | grep -v "it/s\]" | tail -1
         done
-      done
-      unset NANOSERVE_PDL ;;
+      done ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
     fp8)  # issue 13: FP8 KV tests, accuracy, the 32K needle in three modes, the bench, 512K

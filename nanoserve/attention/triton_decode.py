@@ -22,9 +22,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanoserve import pdl
-from nanoserve.triton_pdl import wait_then_release
-
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
 
@@ -75,9 +72,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
-    DIRECT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
-    wait_then_release(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -165,9 +161,8 @@ def _merge_splits_kernel(
     MidO, MidLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    wait_then_release(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -227,7 +222,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
-    use_pdl = pdl.enabled(q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -243,10 +237,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot, TMA=tiles.tma,
-        DIRECT=direct, PDL=use_pdl,
+        DIRECT=direct,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        launch_pdl=use_pdl,
     )
     if direct:
         return out
@@ -255,6 +248,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
     )
     return out

@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve import pdl
 from nanoserve.kv.fp8 import FP8_MAX, MIN_SCALE
-from nanoserve.triton_pdl import wait_then_release
 
 
 @triton.jit
@@ -45,9 +43,8 @@ def _store_fp8_kernel(
     stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh,
     PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr, PDL: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
-    wait_then_release(PDL)
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -70,7 +67,6 @@ def store_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert k_cache.stride() == v_cache.stride() and k_scale.stride() == v_scale.stride()
     if tokens == 0:
         return
-    use_pdl = pdl.enabled(k.device)
     _store_fp8_kernel[(tokens,)](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -78,6 +74,5 @@ def store_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         PAGE_SIZE=k_cache.shape[1], KV_HEADS=kv_heads,
         BLOCK_H=triton.next_power_of_2(kv_heads), HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        BLOCK_D=triton.next_power_of_2(d), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4,
     )

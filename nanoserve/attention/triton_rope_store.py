@@ -15,9 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve import pdl
-from nanoserve.triton_pdl import wait_then_release
-
 
 @triton.jit
 def _norm_rope(x1, x2, W, cos, sin, offs_d, d_mask, eps, HAS_NORM: tl.constexpr,
@@ -59,9 +56,7 @@ def _rope_store_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_then_release(PDL)
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -114,7 +109,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
         return q_out, k_out
     q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     half = d // 2
-    use_pdl = pdl.enabled(q.device)
     _rope_store_kernel[(tokens,)](
         q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, slot_mapping,
         eps,
@@ -124,6 +118,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
         HEADS=heads, KV_HEADS=kv_heads, BLOCK_QH=triton.next_power_of_2(heads),
         BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
-        HAS_NORM=qk_norm is not None, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        HAS_NORM=qk_norm is not None, num_warps=4,
     )
     return q_out, k_out

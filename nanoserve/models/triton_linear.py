@@ -18,9 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve import pdl
-from nanoserve.triton_pdl import wait_then_release
-
 MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64
 MIN_COLUMNS = 4096  # fewer output columns leave SMs idle (a program per 32 or 64 of them)
 
@@ -42,8 +39,7 @@ def tiles_for(n: int) -> LinearTiles:
 @triton.jit
 def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                          HAS_BIAS: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -82,11 +78,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tiles = tiles or tiles_for(n)
     assert 0 < m <= MAX_ROWS and k % tiles.block_k == 0, (m, k, tiles)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x.device)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        HAS_BIAS=bias is not None, PDL=use_pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, launch_pdl=use_pdl)
+        HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
