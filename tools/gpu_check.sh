@@ -24,8 +24,8 @@ for w in $what; do
     tests)  # one H200: 315 s at session 7's end, over 340 s since; give it a call of its own
       run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
-    kernels)  # the hand-written kernels against their references, PDL, and the engine on them
-      run python3 -m pytest -q -m gpu tests/test_gpu_pdl.py tests/test_gpu_kernels.py \
+    kernels)  # the hand-written kernels against their references, and the engine on them
+      run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py \
         tests/test_gpu_linear.py tests/test_gpu_rope_store.py tests/test_gpu_engine.py \
         -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee "$OUT/pytest_kernels.log" \
         | grep -E "passed|failed|FAIL|Error|^E  " | tail -30 ;;
@@ -57,15 +57,18 @@ for w in $what; do
           --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
           2>&1 | grep -v "it/s\]" | tail -3)
       fi ;;
-    decode)  # issue 17: TPOT at batch 1 / 32K and 64 x 512, async scheduling on and off
+    decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
-        for a in "" ${DECODE_SYNC---sync-scheduling}; do  # DECODE_SYNC= : async only
-          run $B --input-len 32768 --output-len 128 --resident-graph $a --out "$OUT/dec1$a$i" \
-            2>&1 | grep -v "it/s\]" | tail -1
+        for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous
+          run $B --input-len 32768 --output-len 128 --resident-graph $a \
+            --out "$OUT/dec1$a$i" 2>&1 | grep -E "^(resident|offload)-"
           run $B --input-len 512 --batch-size 64 --output-len 128 --resident-graph $a \
-            --out "$OUT/dec64$a$i" 2>&1 | grep -v "it/s\]" | tail -1
+            --out "$OUT/dec64$a$i" 2>&1 | grep -E "^(resident|offload)-"
+          run $B --input-len 4096 --output-len 128 --offload-graph $a \
+            --out "$OUT/off4k$a$i" 2>&1 | grep -E "^(resident|offload)-"
         done
-      done ;;
+      done
+      rm -f "$OUT"/*/bench.png ;;  # the rows are in bench.json; fewer files come back
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
     fp8)  # issue 13: FP8 KV tests, accuracy, the 32K needle in three modes, the bench, 512K

@@ -52,8 +52,8 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64,128", help="KV tokens per tile to try")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--mults", default="1,2", help="multiples of the default split count (0:"
-                    " one split, the kernel writing the output itself, no merge)")
+    ap.add_argument("--mults", default="1,2", help="multiples of the default split count, "
+                    "rounded (0: one split, which writes the output itself with no merge)")
     ap.add_argument("--f16-dot", action="store_true", help="FP8: also try float16 dots")
     ap.add_argument("--tma", action="store_true",
                     help="also try K/V tiles through TMA descriptors (Tiles.tma)")
@@ -61,6 +61,7 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     base = [Tiles(n, w, s) for n, w, s in itertools.product(ints(args.block_n), ints(args.warps),
                                                              ints(args.stages))]
     if args.tma:  # PAGE (256) is a multiple of every block_n tried
@@ -76,9 +77,9 @@ def main() -> None:
             base = num_splits_for(batch, KV_HEADS, ctx, sms)
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
-            for tiles, mult in itertools.product(candidates, ints(args.mults)):
+            for tiles, mult in itertools.product(candidates, floats(args.mults)):
                 tiles = tiles._replace(split_factor=1)  # the multiplier is `mult` here
-                splits = max(1, min(base * mult, triton.cdiv(ctx, tiles.block_n)))
+                splits = max(1, min(round(base * mult), triton.cdiv(ctx, tiles.block_n)))
                 try:
                     def attend(tiles=tiles, splits=splits):
                         paged_decode_attention(q, k, v, table, lens, D**-0.5, splits,  # noqa: B023
