@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs (NCCL): the needle at 32K under TP=2 and TP=4 answers as TP=1
 does; under TP, offload on gives offload off's decode logits bitwise (same kernels, same
-bytes, same all-reduces) and decode graphs (all-reduces captured) give eager's within the
-bound test_gpu_engine.py holds single-GPU graphs to. Each test needs as many GPUs as ranks."""
+bytes, same all-reduces) and decode graphs (all-reduces captured) give eager's within a float32
+bound. Each test needs as many GPUs as ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from nanoserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-SHAPE = dict(GPU_SHAPE, num_hidden_layers=6, max_position_embeddings=8192)
+# 4 KV heads: TP=4 holds one per rank
+SHAPE = dict(GPU_SHAPE, num_hidden_layers=6, num_key_value_heads=4, max_position_embeddings=8192)
 
 
 def need_gpus(n: int) -> None:
@@ -49,8 +50,11 @@ def step_logits(llm: LLM, prompts) -> list[torch.Tensor]:
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Within the bound test_gpu_engine.py holds graphs to, and the same greedy tokens."""
-    diff, bound = (a - b).abs().max().item(), 2e-2 * b.abs().max().item()
+    """float32 logits within 1e-3 of the largest, and the same greedy tokens. (In bf16 a
+    graph's padded batch takes other split counts and NCCL other sum orders than eager: on an
+    H200 x4 that flipped a near tie of the random model, and each run then decoded its own
+    sequence.)"""
+    diff, bound = (a - b).abs().max().item(), 1e-3 * b.abs().max().item()
     assert diff < bound, (diff, bound)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -112,7 +116,7 @@ def test_graphs_equal_eager_under_tp_and_tp_equals_one_gpu(model_dir, tp):
                      ("eager", dict(enforce_eager=True, tensor_parallel_size=tp)),
                      ("graphs", dict(tensor_parallel_size=tp))):
         with make_llm(model_dir, device="cuda", page_size=16, max_num_seqs=8,
-                      max_model_len=4096, **kw) as llm:
+                      max_model_len=4096, dtype="float32", **kw) as llm:
             logits[name] = step_logits(llm, prompts)
     # every step: graphs replay what eager runs (the all-reduces captured)
     assert len(logits["graphs"]) == len(logits["eager"])
