@@ -183,6 +183,12 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     def tokens(n: int) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
 
+    if tp > 1:
+        # the workers are fresh processes: their first prefill would build its attention plans
+        # and compile inside the timed request (TP=1's were built by main's warm-up, in this
+        # process), so one request of the same length runs first, untimed
+        warm = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator())
+        llm.generate([warm.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
     # --shared-prefix: one document, a different 16-token question per request
     doc = tokens(input_len - 16) if args.shared_prefix else []
     seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion

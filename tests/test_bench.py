@@ -109,6 +109,25 @@ def test_sampled_mode_runs_greedy_and_sampled_and_reports_ratios(monkeypatch, ca
             f"{sampled['output_tok_s_vs_greedy']:.3f}x") in out
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tp_engine_prefills_once_untimed_before_the_timed_request(monkeypatch, tp):
+    """Under TP the workers are fresh processes (their first prefill builds attention plans):
+    one untimed request of the same length runs first; at TP=1 main's warm-up did that."""
+    warm_ups = []
+    original = LLM.generate
+
+    def spy(self, prompts, params=None, **kw):
+        warm_ups.append((len(prompts[0]), params.max_tokens))
+        return original(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "3"])
+    row = run_mode(args, "resident-eager", 48, 1, ModelConfig.from_dir(EMBEDDED_MODEL),
+                   {**CEIL, "h2d_GBps_tp": {"2": 1.0}}, tp=tp)
+    assert warm_ups == ([(48, 2)] if tp > 1 else [])
+    assert (row["tp"], row["input_len"]) == (tp, 48) and row["ttft_s"] > 0
+
+
 def test_stall_mode_times_the_streams_gaps_against_a_chunk_step():
     args = parse_args(["--model", "tiny-qwen3", "--input-len", "300", "--output-len", "4",
                        "--stall"])
