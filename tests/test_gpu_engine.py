@@ -87,6 +87,39 @@ def test_graph_logits_equal_eager_logits(gpu_model):
     assert llm.engine.kv.num_free == llm.engine.kv.capacity
 
 
+def test_batched_decode_through_tma_tiles_equals_pointer_loads(gpu_model, monkeypatch):
+    """Above SMALL_BATCH, with pages a multiple of the tile, decode attention reads K/V through
+    TMA descriptors (triton_decode.TILES["batched"]): the logits equal the pointer-load
+    kernel's within the graph bound, with the same argmax; at page 16 no descriptor is made."""
+    from nanoserve.attention import triton_decode as td
+    from nanoserve.engine.scheduler import Batch
+
+    _, path = gpu_model
+    made = []
+    real = td.TensorDescriptor
+    monkeypatch.setattr(td, "TensorDescriptor", lambda *a: made.append(a) or real(*a))
+    logits = {}
+    for page, tma in ((64, True), (64, False), (16, True)):
+        monkeypatch.setitem(td.TILES, "batched", td.TILES["batched"]._replace(tma=tma))
+        with LLM(str(path), progress=False, page_size=page, enforce_eager=True,
+                 max_num_seqs=16, gpu_kv_budget_gib=1) as llm:
+            seqs = [llm.engine.add_request(p, GREEDY)[0]
+                    for p in random_prompts(16, [90, 17, 300], vocab=2048, seed=5)]
+            while any(s.num_output_tokens == 0 for s in seqs):
+                llm.engine.step()
+            for s in seqs:  # room for the decode token
+                assert llm.engine.kv.grow(s, s.num_tokens)
+            made.clear()
+            runner = llm.engine.runner
+            logits[page, tma] = runner.forward(
+                runner.inputs.build(Batch(False, seqs, [1] * 16))).clone()
+        assert len(made) == (2 * SHAPE["num_hidden_layers"] if (page, tma) == (64, True) else 0)
+    for other in ((64, False), (16, True)):
+        a, b = logits[64, True], logits[other]
+        assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item(), other
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), other
+
+
 def test_temperature_zero_rows_equal_greedy_beside_sampled_rows(gpu_model):
     """Rows at temperature 0 (with top-k/top-p/min-p/seed set, batched with sampled rows)
     produce the tokens of an all-greedy batch of the same shape."""

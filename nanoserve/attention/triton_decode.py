@@ -44,20 +44,26 @@ class Tiles(NamedTuple):
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
-# shape, one layer): bf16 KV is best at 64-token tiles at every shape (1 x 32K 40.6 us, 1.28x
-# its floor; 1 x 128K 132 us, 1.04x; 64 x 512 42.9 us, 1.35x). FP8 wants 128-token tiles, and
-# at small batches twice the splits (1 x 32K 43.3 us against 45.2; 1 x 128K 139 against 154),
-# at batch 64 not (43.6 us against 51.0); "fp8-batched" takes over above SMALL_BATCH, a
-# threshold between the measured points. Float16 dots were no faster (146.5 us at 128K).
-TILES = {"default": Tiles(64, 4, 2), "fp8": Tiles(128, 4, 2, split_factor=2),
-         "fp8-batched": Tiles(128, 4, 2)}
+# shape, one layer): bf16 KV is best at 64-token tiles at every shape (1 x 32K 40.1 us, 1.26x
+# its floor; 1 x 128K 129.5 us, 1.02x); above SMALL_BATCH its tiles come through TMA (64 x 512,
+# one split: 35.3 us against 36.6). FP8 wants 128-token tiles, and at small batches twice the
+# splits (1 x 32K 43.7 us against 45.5; 1 x 128K 139 against 154), at batch 64 not (42.7 us
+# against 43.1); "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
+# points. Neither float16 dots (146.5 us at 128K) nor TMA (143.4 us) made FP8 faster.
+TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True),
+         "fp8": Tiles(128, 4, 2, split_factor=2), "fp8-batched": Tiles(128, 4, 2)}
 SMALL_BATCH = 8
 
 
-def default_tiles(scaled: bool, batch: int) -> Tiles:
-    if not scaled:
-        return TILES["default"]
-    return TILES["fp8" if batch <= SMALL_BATCH else "fp8-batched"]
+def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int = 128) -> Tiles:
+    """The measured tiles for the KV dtype and batch; TMA only where a tile is one box of a
+    page (page_size a multiple of the tile) and head_dim a power of two."""
+    small = batch <= SMALL_BATCH
+    tiles = TILES[("fp8" if small else "fp8-batched") if scaled else
+                  ("default" if small else "batched")]
+    if tiles.tma and (page_size % tiles.block_n or head_dim & (head_dim - 1)):
+        tiles = tiles._replace(tma=False)
+    return tiles
 
 
 @triton.jit
@@ -205,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     scaled = k_scale is not None
-    tiles = tiles or default_tiles(scaled, batch)
+    tiles = tiles or default_tiles(scaled, batch, page_size, d)
     num_splits *= tiles.split_factor
     if scaled:
         assert k_scale.stride() == v_scale.stride()
