@@ -31,10 +31,8 @@ class Tiles(NamedTuple):
     whether the dots run in float16 (e4m3 converts to float16 in one instruction, to bfloat16
     not; q and the probabilities are rounded to float16 then, not to the model's dtype); and
     how many times the caller's split count (num_splits_for) to launch; whether K/V tiles are
-    read through TMA tensor descriptors: each tile lies in one page (page_size % block_n == 0),
-    so it is one box of the cache, copied to shared memory asynchronously and pipelined over
-    num_stages however the loop converts it (FP8), where pointer loads of FP8 go through
-    registers first."""
+    read through TMA tensor descriptors (each tile lies in one page, page_size % block_n == 0,
+    so it is one box of the cache, copied to shared memory asynchronously)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -229,7 +227,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     direct = num_splits == 1  # the split kernel writes the output: no merge kernel
     mid_o = out.unsqueeze(2) if direct else \
         torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    # one split stores no log-sum-exp: nothing to allocate
+    mid_lse = mid_o if direct else \
+        torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
