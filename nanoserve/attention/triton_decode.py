@@ -11,7 +11,10 @@ to the query's dtype, and each token's scale multiplies, in float32, its column 
 its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products, not
 its [tokens, head_dim] values. With float16 dots (Tiles.f16_dot) the V scales are taken
 relative to the tile's largest, which multiplies the tile's p.V product instead, so a small
-scale never pushes p * scale into float16's subnormals.
+scale never pushes p * scale into float16's subnormals. V is converted while its tile is in
+registers and only then goes to shared memory for the dot: converted after the shared-memory
+load instead (where Triton puts an elementwise conversion by default), 8-bit V read transposed
+for p.V comes one byte per load with bank conflicts, which made FP8 as slow as bf16.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ class Tiles(NamedTuple):
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
 # shape, one layer): bf16 KV is best at 64-token tiles at every shape (1 x 32K 40.1 us, 1.26x
 # its floor; 1 x 128K 129.5 us, 1.02x); above SMALL_BATCH its tiles come through TMA (64 x 512,
-# one split: 35.3 us against 36.6). FP8 wants 128-token tiles, and at small batches twice the
-# splits (1 x 32K 43.7 us against 45.5; 1 x 128K 139 against 154), at batch 64 not (42.7 us
-# against 43.1); "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
-# points. Neither float16 dots (146.5 us at 128K) nor TMA (143.4 us) made FP8 faster.
+# one split: 35.3 us against 36.6). FP8 wants 128-token tiles, float16 dots (e4m3 converts to
+# float16 in one instruction per pair, to bfloat16 in three) and at small batches twice the
+# splits: 1 x 32K 41.0 us, 1 x 128K 128.7 us (bfloat16 dots: 46.0, 150.5), 64 x 512 40.8 us
+# with one split; "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
+# points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots).
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True),
-         "fp8": Tiles(128, 4, 2, split_factor=2), "fp8-batched": Tiles(128, 4, 2)}
+         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2),
+         "fp8-batched": Tiles(128, 4, 2, f16_dot=True)}
 SMALL_BATCH = 8
 
 
@@ -77,7 +82,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
-    DIRECT: tl.constexpr,
+    IN_PAGE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,6 +119,18 @@ def _decode_split_kernel(
             v = tl.where(n_mask[:, None], v, tl.zeros_like(v))  # no NaN bytes into p.V
             page = tl.full([BLOCK_N], page_id, tl.int64)
             slot = first + offs_n
+        elif IN_PAGE:  # one page id and one base address per tile; rows past ctx_len are
+            # read (the page holds them), then masked: K's scores, V's rows (see below)
+            first = (t * BLOCK_N) % PAGE_SIZE
+            page = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            slot = first + offs_n
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_at = K + page * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt \
+                + offs_d[None, :]
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_at)
+            else:
+                k = tl.load(k_at, mask=d_mask[None, :], other=0.0)
         else:
             page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot = tok % PAGE_SIZE
@@ -133,9 +150,18 @@ def _decode_split_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        if not TMA:
+        if IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
+                        + offs_d[None, :])
+        elif IN_PAGE:  # masked: their bytes may be NaNs
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+        elif not TMA:
             v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
                         + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
+            # Triton from moving the conversion after the shared-memory load (module docstring)
+            v = tl.where(n_mask[:, None], v.to(q.dtype), tl.zeros_like(v.to(q.dtype)))
         if SCALED:  # each token's V scale, folded into its column of the probabilities
             v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
             if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
@@ -232,6 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    f16_dot = scaled and tiles.f16_dot and q.dtype != torch.float32  # float32 q: float32 dots
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens, mid_o,
@@ -245,8 +272,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
-        PRECISION=precision, SCALED=scaled, F16_DOT=scaled and tiles.f16_dot, TMA=tiles.tma,
-        DIRECT=direct,
+        PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
+        IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
