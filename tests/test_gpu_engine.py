@@ -148,18 +148,21 @@ def test_seeded_sampling_is_identical_in_eager_and_graph_modes(gpu_model):
 
 
 def test_one_row_decode_through_the_skinny_matmul_matches_cublas(tmp_path, monkeypatch):
-    """Batch-1 decode runs its wide linear layers (gate_up, lm_head: >= 4096 outputs) through
-    the Triton skinny matmul, and so does the prefill's one-row head. The prefill's and the
-    first decode step's logits are within 2e-2 of the largest of cuBLAS's (the same engine with
-    the skinny path off; the first token must agree for the second step to see the same
-    input); graphs equal eager token for token."""
+    """Batch-1 decode runs its wide linear layers (>= 4096 outputs) through the Triton skinny
+    matmul, down with its SiLU-multiply in the same kernel, and so does the prefill's one-row
+    head. The prefill's and the first decode step's logits are within 2e-2 of the largest of
+    cuBLAS's (the same engine with the skinny path off; the first token must agree for the
+    second step to see the same input); graphs equal eager token for token."""
     from nanoserve.models import layers, triton_linear
 
-    make_hf_model("qwen3", tmp_path, **dict(SHAPE, vocab_size=8192, intermediate_size=2048))
+    # 4096 wide: o, gate_up, down (with its SiLU-multiply) and lm_head run the skinny kernels
+    make_hf_model("qwen3", tmp_path, **dict(SHAPE, vocab_size=8192, hidden_size=4096,
+                                            head_dim=64, intermediate_size=2048))
     calls = []
-    real = triton_linear.skinny_linear
-    monkeypatch.setattr(triton_linear, "skinny_linear",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("skinny_linear", "skinny_silu_linear"):
+        real = getattr(triton_linear, name)
+        monkeypatch.setattr(triton_linear, name, lambda *a, real=real, name=name, **kw:
+                            calls.append(name) or real(*a, **kw))
     prompt = random_prompts(1, [300], vocab=8192, seed=5)
 
     def decode(**kw):
@@ -173,6 +176,7 @@ def test_one_row_decode_through_the_skinny_matmul_matches_cublas(tmp_path, monke
 
     tokens, skinny = decode(enforce_eager=True)
     assert len(calls) >= 2 * len(tokens)  # gate_up and lm_head of every eager decode step
+    assert calls.count("skinny_silu_linear") >= len(tokens) - 1  # down, every decode step
     assert decode()[0] == tokens  # graphs
     monkeypatch.setattr(layers, "SKINNY_MAX_ROWS", 0)
     cublas_tokens, cublas = decode(enforce_eager=True)

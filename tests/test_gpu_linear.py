@@ -39,3 +39,20 @@ def test_skinny_linear_refuses_what_it_cannot_take():
     assert not supports(x[:, :100], w[:, :100])  # k not a multiple of the tile
     assert not supports(x, w[:1024])  # too few columns to fill the SMs
     assert not supports(x.float(), w.float())
+
+
+@needs_cuda
+@pytest.mark.parametrize("n, i", [(4096, 12288), (4096, 1024)])
+def test_silu_mul_in_the_skinny_matmul_matches_float64(n, i):
+    """SiLU-multiply in the matmul's loop rounds as layers.silu_and_mul does: the product is
+    within 2^-8 of the largest output of float64's product of silu_and_mul's result."""
+    from nanoserve.models.layers import silu_and_mul
+    from nanoserve.models.triton_linear import skinny_silu_linear, supports
+
+    g = torch.Generator(device="cuda").manual_seed(n + i)
+    gate_up = (torch.randn(1, 2 * i, device="cuda", generator=g) * 2).bfloat16()
+    w = (torch.randn(n, i, device="cuda", generator=g) * i**-0.5).bfloat16()
+    assert supports(gate_up, w, silu=True) and not supports(gate_up, w)
+    y = skinny_silu_linear(gate_up, w)
+    ref = silu_and_mul.eager(gate_up).double() @ w.double().T
+    assert (y.double() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()

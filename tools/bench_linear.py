@@ -1,8 +1,9 @@
 """Decode's linear layers at few rows: torch's F.linear (cuBLAS) against the Triton skinny
 matmul (nanoserve/models/triton_linear.py) and its tile settings, per weight shape, in CUDA
 graphs, as time and fraction of the device-memory floor (the weight's bytes). Usage (GPU):
-    python tools/bench_linear.py [--rows 1,4,16] [--hbm-gbs 4229]
-Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head.
+    python tools/bench_linear.py [--rows 1,4,16] [--hbm-gbs 4229] [--silu]
+Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head. --silu times, at one row, down with the
+SiLU-multiply in its kernel against inductor's SiLU-multiply kernel followed by the matmul.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanoserve.models.triton_linear import LinearTiles, skinny_linear
+from nanoserve.models.layers import silu_and_mul
+from nanoserve.models.triton_linear import (
+    LinearTiles,
+    skinny_linear,
+    skinny_silu_linear,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -24,14 +30,32 @@ def timed(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30)
 
 
+def silu_prologue(hbm_gbs: float, dev: torch.device) -> None:
+    """One row: down with SiLU-multiply in its kernel against inductor's kernel + the matmul."""
+    n, k = SHAPES["down"]
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+    gate_up = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
+    floor = n * k * 2 / hbm_gbs / 1e3
+    apart = timed(lambda: skinny_linear(silu_and_mul(gate_up), w))
+    fused = timed(lambda: skinny_silu_linear(gate_up, w))
+    print(f"down with SiLU-multiply: floor {floor:.1f} us | apart {apart:.1f} us | fused "
+          f"{fused:.1f} us ({floor / fused:.0%}); x36 layers: {36 * (apart - fused) / 1e3:+.3f} "
+          f"ms a step", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--silu", action="store_true",
+                    help="only down with SiLU-multiply in its kernel against apart, one row")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.silu:
+        silu_prologue(args.hbm_gbs, dev)
+        return
     candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64, 128), (128, 256), (4, 8),
                                                               (3, 4))]
     per_layer = {}

@@ -50,7 +50,10 @@ def cases():
     from nanoserve.attention.triton_kv_store import store_fp8
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8 import FP8
-    from nanoserve.models.triton_linear import skinny_linear
+    from nanoserve.models.triton_linear import (
+        skinny_linear,
+        skinny_silu_linear,
+    )
 
     bf16, pages, page, heads, kv_heads, d = torch.bfloat16, 8, 256, 32, 8, 128
     q = torch.zeros(4, heads, d, dtype=bf16)
@@ -84,6 +87,8 @@ def cases():
     for n, kk in ((6144, 4096), (151936, 4096)):
         yield f"skinny matmul {n} x {kk}", lambda n=n, kk=kk: skinny_linear(
             torch.zeros(1, kk, dtype=bf16), torch.zeros(n, kk, dtype=bf16))
+    yield "SiLU-multiply + skinny matmul", lambda: skinny_silu_linear(
+        torch.zeros(1, 2 * 12288, dtype=bf16), torch.zeros(4096, 12288, dtype=bf16))
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from nanoserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     qk_norm_rope,
-    silu_and_mul,
+    silu_mul_linear,
 )
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
@@ -100,7 +100,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return all_reduce(silu_mul_linear(self.down_proj, self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -76,16 +76,31 @@ SKINNY_MAX_ROWS = 1
 class Linear(nn.Linear):
     """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
     which streams o, down, gate_up and lm_head's weights closer to the device bandwidth than
-    cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py).
-    `enable_fusion=False` keeps cuBLAS everywhere."""
+    cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py); down's SiLU-multiply
+    runs in the same kernel (`silu_mul_linear`). `enable_fusion=False` keeps cuBLAS everywhere."""
+
+    def skinny(self, x: torch.Tensor, silu: bool = False) -> bool:
+        """Whether this product of x runs the skinny kernels."""
+        if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and
+                fusion_enabled()):
+            return False
+        # imported here: Triton exists only with CUDA
+        from nanoserve.models.triton_linear import supports
+        return supports(x, self.weight, silu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and fusion_enabled():
-            # imported here: Triton exists only with CUDA (and a test patches skinny_linear)
-            from nanoserve.models.triton_linear import skinny_linear, supports
-            if supports(x, self.weight):
-                return skinny_linear(x, self.weight, self.bias)
+        if self.skinny(x):
+            from nanoserve.models import triton_linear  # a test patches its functions
+            return triton_linear.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def silu_mul_linear(linear: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """linear(silu(gate) * up) for rows [gate | up]: one kernel where the skinny matmul runs."""
+    if linear.skinny(gate_up, silu=True):
+        from nanoserve.models import triton_linear
+        return triton_linear.skinny_silu_linear(gate_up, linear.weight, linear.bias)
+    return linear(silu_and_mul(gate_up))
 
 
 class MergedLinear(Linear):
