@@ -66,6 +66,34 @@ def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
         print(f"    {t / steps:8.3f} ms {name_count[name] / steps:6.0f}x  {name}")
 
 
+def copy_timeline(prof, steps: int) -> None:
+    """Offload: how busy the host->device copies keep the link, and where it idles. Gaps are
+    the link's idle time between consecutive copies; each large gap is listed with the last
+    kernel that ended before the next copy began (what that copy most likely waited for)."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if "htod" in e.name.lower().replace(" ", ""))
+    if len(copies) < 2:
+        return
+    kernels = sorted((e.time_range.end, e.name) for e in events
+                     if "memcpy" not in e.name.lower())
+    busy = sum(b - a for a, b in copies)
+    span = copies[-1][1] - copies[0][0]
+    gaps = [(c[0] - p[1], c[0]) for p, c in zip(copies[:-1], copies[1:], strict=True)
+            if c[0] > p[1]]
+    small = sum(g for g, _ in gaps if g < 20)
+    large = sorted(gaps, reverse=True)[:6]
+    print(f"\n   host->device copies: {len(copies) / steps:.0f} per step, busy "
+          f"{busy / 1e3 / steps:.3f} ms/step of {span / 1e3 / steps:.3f} ms/step "
+          f"({busy / span:.1%}); idle in gaps < 20 us: {small / 1e3 / steps:.3f} ms/step "
+          f"({sum(1 for g, _ in gaps if g < 20) / steps:.0f} gaps), in larger gaps: "
+          f"{(sum(g for g, _ in gaps) - small) / 1e3 / steps:.3f} ms/step")
+    for gap, start in large:
+        before = [name for end, name in kernels if end <= start]
+        print(f"    gap {gap:8.1f} us before a copy; last kernel to end: "
+              f"{before[-1][:80] if before else '-'}")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -138,6 +166,8 @@ def main() -> None:
                 engine.step()
             prof, n, wall = profiled_steps(engine, 10)
             report(f"decode, batch {batch}, context {ctx}", prof, n, wall, args.top)
+            if args.enable_offload:
+                copy_timeline(prof, n)
         del llm, engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
