@@ -158,6 +158,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     kw = dict(MODES[mode], tensor_parallel_size=tp)
     if kw.get("enable_offload"):
         kw["resident_layers"] = args.resident_layers
+        kw["num_kv_buffers"] = args.num_kv_buffers
         if args.gpu_kv_budget is not None:
             kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
     elif args.gpu_kv_budget is not None and args.force_budget_resident:
@@ -217,6 +218,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         "async_scheduling": not args.sync_scheduling,
         **sampling_params, "kv_cache_dtype": args.kv_cache_dtype,
         "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
+        "num_kv_buffers": kv.streamer.num_slots if kv.streamer is not None else 0,
         "ttft_s": ttft, "prefill_tok_s": batch * input_len / ttft,
         "tpot_ms_median": tpot * 1e3,
         "tpot_ms_p90": statistics.quantiles(steps, n=10)[-1] * 1e3 if len(steps) > 1 else
@@ -245,6 +247,7 @@ def run_stall(args, mode: str, input_len: int, cfg: ModelConfig) -> dict:
     kw = dict(MODES[mode])
     if kw.get("enable_offload"):
         kw["resident_layers"] = args.resident_layers
+        kw["num_kv_buffers"] = args.num_kv_buffers
     llm = LLM(args.model, progress=False, dummy_weights=args.dummy_weights,
               max_model_len=input_len + 256, max_num_seqs=2, **kw)
     engine = llm.engine
@@ -534,6 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "scales; the floors count its bytes); transformers keeps bf16")
     ap.add_argument("--resident-layers", type=int, default=0,
                     help="offload modes: layers kept resident (default 0: every layer streams)")
+    ap.add_argument("--num-kv-buffers", type=int, default=config_default("num_kv_buffers"),
+                    help="offload modes: GPU ring slots for streamed layers")
     ap.add_argument("--gpu-kv-budget", type=float, default=config_default("gpu_kv_budget_gib"),
                     help="offload modes: GPU KV budget in GiB (with --resident-layers unset "
                          "by -1, the split follows the budget)")

@@ -30,7 +30,7 @@ def tiny_hf_config(arch: str, **overrides):
                   initializer_range=0.1, eos_token_id=None, bos_token_id=None)
     common.update(overrides)
     if arch == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, **common)
+        return transformers.Qwen3Config(**{"head_dim": 16, **common})
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch == "llama":
@@ -42,7 +42,7 @@ def tiny_hf_config(arch: str, **overrides):
         common["max_position_embeddings"] = min(common["max_position_embeddings"],
                                                 4 * common["rope_scaling"][
                                                     "original_max_position_embeddings"])
-        return transformers.Qwen3Config(head_dim=16, **common)
+        return transformers.Qwen3Config(**{"head_dim": 16, **common})
     if arch == "mistral":  # an explicit head_dim: q and o projections of 4 * 32 != 64 features
         common.setdefault("head_dim", 2 * common["hidden_size"] // common["num_attention_heads"])
         return transformers.MistralConfig(**{"sliding_window": None, **common})

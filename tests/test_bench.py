@@ -128,6 +128,17 @@ def test_a_tp_engine_prefills_once_untimed_before_the_timed_request(monkeypatch,
     assert (row["tp"], row["input_len"]) == (tp, 48) and row["ttft_s"] > 0
 
 
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_offload_modes_run_with_the_ring_slots_asked_for(buffers):
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "3",
+                       "--num-kv-buffers", str(buffers)])
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    row = run_mode(args, "offload-eager", 48, 1, cfg, CEIL)
+    assert row["streamed_layers"] == cfg.num_layers >= 3
+    assert row["num_kv_buffers"] == buffers
+    assert run_mode(args, "resident-eager", 48, 1, cfg, CEIL)["num_kv_buffers"] == 0
+
+
 def test_stall_mode_times_the_streams_gaps_against_a_chunk_step():
     args = parse_args(["--model", "tiny-qwen3", "--input-len", "300", "--output-len", "4",
                        "--stall"])
