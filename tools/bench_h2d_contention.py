@@ -15,16 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-
-def op_ms(fn) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 20
+from nanoserve.cuda_timing import median_ms
 
 
 def copies_gbs(host: torch.Tensor, dev: torch.Tensor, reps: int, stream: torch.cuda.Stream,
@@ -77,7 +68,7 @@ def main() -> None:
         row = {"alone": alone}
         for name, bg in backgrounds.items():
             if bg is not None:
-                bg_reps = int(2 * copies_ms / op_ms(bg)) + 1  # twice the copies' time
+                bg_reps = int(2 * copies_ms / median_ms(bg)) + 1  # twice the copies' time
                 row[name] = sorted(copies_gbs(host, dev, reps, stream, bg, bg_reps)
                                    for _ in range(3))[1]
         print(f"{mb:4d} MB copies: " + ", ".join(

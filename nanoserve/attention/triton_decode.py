@@ -116,7 +116,8 @@ def _decode_split_kernel(
             page_id = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE)
             k = KDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
             v = VDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = tl.where(n_mask[:, None], v, tl.zeros_like(v))  # no NaN bytes into p.V
+            if not SCALED:  # no NaN bytes into p.V (FP8's rows are zeroed after conversion)
+                v = tl.where(n_mask[:, None], v, tl.zeros_like(v))
             page = tl.full([BLOCK_N], page_id, tl.int64)
             slot = first + offs_n
         elif IN_PAGE:  # one page id and one base address per tile; rows past ctx_len are
