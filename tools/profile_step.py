@@ -11,6 +11,8 @@ divided by the number of steps; "wall" is the host's time per step.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
 from collections import defaultdict
 
@@ -67,31 +69,39 @@ def report(title: str, prof, steps: int, wall_ms: float, top: int) -> None:
 
 
 def copy_timeline(prof, steps: int) -> None:
-    """Offload: how busy the host->device copies keep the link, and where it idles. Gaps are
-    the link's idle time between consecutive copies; each large gap is listed with the last
-    kernel that ended before the next copy began (what that copy most likely waited for)."""
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = sorted((e.time_range.start, e.time_range.end) for e in events
-                    if "htod" in e.name.lower().replace(" ", ""))
+    """Offload: how busy the host->device copies keep the link, and why it idles. A gap is the
+    link's idle time between consecutive copies. From the trace's correlation of each copy with
+    the runtime call that issued it, a gap's time splits into "host late" (the copy was issued
+    after the link went idle: the host sets the pace) and "waiting" (issued earlier, held by a
+    stream dependency: an event or the queue of its stream)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    issued = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    copies = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("bytes", 0),
+                     issued.get(e["args"].get("correlation"))) for e in events
+                    if e.get("cat") == "gpu_memcpy" and "htod" in e["name"].lower())
     if len(copies) < 2:
         return
-    kernels = sorted((e.time_range.end, e.name) for e in events
-                     if "memcpy" not in e.name.lower())
-    busy = sum(b - a for a, b in copies)
+    busy = sum(end - start for start, end, _, _ in copies)
     span = copies[-1][1] - copies[0][0]
-    gaps = [(c[0] - p[1], c[0]) for p, c in zip(copies[:-1], copies[1:], strict=True)
-            if c[0] > p[1]]
-    small = sum(g for g, _ in gaps if g < 20)
-    large = sorted(gaps, reverse=True)[:6]
+    gaps = []  # (gap, host late part, copy before, copy after)
+    for prev, cur in zip(copies[:-1], copies[1:], strict=True):
+        if cur[0] > prev[1]:
+            late = 0.0 if cur[3] is None else min(cur[0] - prev[1], max(0.0, cur[3] - prev[1]))
+            gaps.append((cur[0] - prev[1], late, prev, cur))
+    per_step = lambda us: f"{us / 1e3 / steps:.3f} ms/step"  # noqa: E731
     print(f"\n   host->device copies: {len(copies) / steps:.0f} per step, busy "
-          f"{busy / 1e3 / steps:.3f} ms/step of {span / 1e3 / steps:.3f} ms/step "
-          f"({busy / span:.1%}); idle in gaps < 20 us: {small / 1e3 / steps:.3f} ms/step "
-          f"({sum(1 for g, _ in gaps if g < 20) / steps:.0f} gaps), in larger gaps: "
-          f"{(sum(g for g, _ in gaps) - small) / 1e3 / steps:.3f} ms/step")
-    for gap, start in large:
-        before = [name for end, name in kernels if end <= start]
-        print(f"    gap {gap:8.1f} us before a copy; last kernel to end: "
-              f"{before[-1][:80] if before else '-'}")
+          f"{per_step(busy)} of {per_step(span)} ({busy / span:.1%}); idle "
+          f"{per_step(sum(g[0] for g in gaps))} in {len(gaps) / steps:.0f} gaps a step: host "
+          f"late {per_step(sum(g[1] for g in gaps))}, waiting on a dependency "
+          f"{per_step(sum(g[0] - g[1] for g in gaps))}; gaps under 20 us "
+          f"{per_step(sum(g[0] for g in gaps if g[0] < 20))}")
+    for gap, late, prev, cur in sorted(gaps, reverse=True)[:8]:
+        print(f"    gap {gap:7.1f} us ({late:6.1f} host late) between a {prev[2] / 2**20:6.2f} MiB"
+              f" copy and a {cur[2] / 2**20:6.2f} MiB copy issued "
+              f"{'?' if cur[3] is None else f'{cur[0] - cur[3]:8.1f}'} us before it ran")
 
 
 def sync() -> None:
@@ -99,12 +109,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profiled_steps(engine, steps: int | None):
+def profiled_steps(engine, steps: int | None, host: bool = False):
     """Runs `steps` engine steps (None: until every sequence has its first token) under the
-    profiler; returns (profile, steps run, wall ms)."""
+    profiler (`host`: the host's runtime calls too); returns (profile, steps run, wall ms)."""
     sync()
     n, t0 = 0, time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=activities) as prof:
         while (engine.has_unfinished() and
                (n < steps if steps is not None else
                 any(s.num_output_tokens == 0 for s in engine.scheduler.running +
@@ -124,6 +135,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=12, help="heaviest kernels to list")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="decode's sampling temperature (0: greedy, as bench_offload.py)")
     ap.add_argument("--enable-offload", action="store_true",
                     help="every layer's KV streamed from host memory (copies under 'copy')")
     args = ap.parse_args()
@@ -153,7 +166,7 @@ def main() -> None:
             engine.add_request(prompt(min(1024, ctx)), SamplingParams(max_tokens=1))
             while engine.has_unfinished():
                 engine.step()
-        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature)
         for _ in range(batch):
             engine.add_request(prompt(ctx), params)
         if kind == "prefill":
@@ -164,7 +177,7 @@ def main() -> None:
             profiled_steps(engine, None)  # prefill, unprofiled
             for _ in range(5):
                 engine.step()
-            prof, n, wall = profiled_steps(engine, 10)
+            prof, n, wall = profiled_steps(engine, 10, host=args.enable_offload)
             report(f"decode, batch {batch}, context {ctx}", prof, n, wall, args.top)
             if args.enable_offload:
                 copy_timeline(prof, n)
