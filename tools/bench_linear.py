@@ -60,8 +60,8 @@ def main() -> None:
                                                             (4, 8), (3, 4))]
     # more rows: x's tile grows with them, so shorter k tiles, and k split to fill the SMs
     # (split 0: split_for's choice)
-    rows_k = [LinearTiles(*t) for t in itertools.product((32, 64, 128), (64, 128), (4,), (3, 4),
-                                                         (0, 1, 2, 3, 4))]
+    rows_k = [LinearTiles(*t) for t in itertools.product((128, 256), (64, 128), (4,), (4,),
+                                                         (1, 2, 4, 8))]
     per_layer = {}
     for rows in map(int, args.rows.split(",")):
         for name in args.shapes.split(","):
@@ -73,6 +73,9 @@ def main() -> None:
             cublas = timed(lambda: F.linear(x, w))  # noqa: B023
             zero = torch.zeros(n, device=dev, dtype=torch.bfloat16)
             cublas_lt = timed(lambda: F.linear(x, w, zero))  # noqa: B023  # cuBLASLt + bias
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            lt_only = timed(lambda: F.linear(x, w))  # noqa: B023
+            torch.backends.cuda.preferred_blas_library("default")
             default = timed(lambda: skinny_linear(x, w))  # noqa: B023  # tiles_for's choice
             err_cublas = (F.linear(x, w).double() - ref).abs().max().item()
             results = []
@@ -87,7 +90,8 @@ def main() -> None:
             us, best = results[0]
             err = (skinny_linear(x, w, tiles=best).double() - ref).abs().max().item()
             print(f"rows {rows:2d} {name:8s} floor {floor:7.1f} us | cuBLAS {cublas:7.1f} us "
-                  f"({floor / cublas:.0%}), with a bias {cublas_lt:7.1f} | skinny default "
+                  f"({floor / cublas:.0%}), with a bias {cublas_lt:7.1f}, cuBLASLt "
+                  f"{lt_only:7.1f} | skinny default "
                   f"{default:7.1f} us ({floor / default:.0%}), best {us:7.1f} us "
                   f"({floor / us:.0%}) {best} | max err {err:.2e} (cuBLAS {err_cublas:.2e})",
                   flush=True)

@@ -102,6 +102,21 @@ def copy_timeline(prof, steps: int) -> None:
         print(f"    gap {gap:7.1f} us ({late:6.1f} host late) between a {prev[2] / 2**20:6.2f} MiB"
               f" copy and a {cur[2] / 2**20:6.2f} MiB copy issued "
               f"{'?' if cur[3] is None else f'{cur[0] - cur[3]:8.1f}'} us before it ran")
+    waiting = max(gaps, key=lambda g: g[0] - g[1])
+    device_timeline(events, waiting[2][0] - 700, waiting[3][1] + 100, waiting[2][1])
+
+
+def device_timeline(events: list[dict], start: float, end: float, origin: float) -> None:
+    """Every kernel, copy and memset that overlaps [start, end] (trace us), by stream, times
+    relative to `origin`: what each stream did around a gap of the link."""
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    window = sorted((e["ts"], e) for e in events if e.get("cat") in kinds and
+                    e["ts"] < end and e["ts"] + e["dur"] > start)
+    print("\n   the longest wait's neighbourhood (us from the link going idle; stream, "
+          "start, duration):")
+    for ts, e in window:
+        print(f"    s{e['args'].get('stream', '?'):<3} {ts - origin:9.1f} {e['dur']:8.1f}  "
+              f"{e['name'][:70]}")
 
 
 def sync() -> None:

@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
 
 # one row: 0.22 ms a step faster than cuBLAS on an H200 (Qwen3-8B); 16 rows: the same; 64 rows:
 # 0.39 ms slower (tools/bench_linear.py)
-SKINNY_MAX_ROWS = 64
+SKINNY_MAX_ROWS = 1
 
 
 class Linear(nn.Linear):
