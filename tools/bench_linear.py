@@ -4,6 +4,8 @@ graphs, as time and fraction of the device-memory floor (the weight's bytes). Us
     python tools/bench_linear.py [--rows 1,4,16] [--hbm-gbs 4229] [--silu]
 Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head. --silu times, at one row, down with the
 SiLU-multiply in its kernel against inductor's SiLU-multiply kernel followed by the matmul.
+cuBLAS is also timed with a (zero) bias, which torch sends to cuBLASLt's bias epilogue, and
+with cuBLASLt as torch's preferred BLAS library.
 """
 
 from __future__ import annotations
@@ -56,12 +58,8 @@ def main() -> None:
     if args.silu:
         silu_prologue(args.hbm_gbs, dev)
         return
-    one_row = [LinearTiles(*t, 1) for t in itertools.product((16, 32, 64, 128), (128, 256),
-                                                            (4, 8), (3, 4))]
-    # more rows: x's tile grows with them, so shorter k tiles, and k split to fill the SMs
-    # (split 0: split_for's choice)
-    rows_k = [LinearTiles(*t) for t in itertools.product((128, 256), (64, 128), (4,), (4,),
-                                                         (1, 2, 4, 8))]
+    candidates = [LinearTiles(*t) for t in itertools.product((16, 32, 64, 128), (128, 256), (4, 8),
+                                                              (3, 4))]
     per_layer = {}
     for rows in map(int, args.rows.split(",")):
         for name in args.shapes.split(","):
@@ -72,14 +70,13 @@ def main() -> None:
             ref = x.double() @ w.double().T
             cublas = timed(lambda: F.linear(x, w))  # noqa: B023
             zero = torch.zeros(n, device=dev, dtype=torch.bfloat16)
-            cublas_lt = timed(lambda: F.linear(x, w, zero))  # noqa: B023  # cuBLASLt + bias
+            with_bias = timed(lambda: F.linear(x, w, zero))  # noqa: B023  # cuBLASLt's epilogue
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            lt_only = timed(lambda: F.linear(x, w))  # noqa: B023
+            lt = timed(lambda: F.linear(x, w))  # noqa: B023
             torch.backends.cuda.preferred_blas_library("default")
-            default = timed(lambda: skinny_linear(x, w))  # noqa: B023  # tiles_for's choice
             err_cublas = (F.linear(x, w).double() - ref).abs().max().item()
             results = []
-            for tiles in (one_row if rows == 1 else rows_k):
+            for tiles in candidates:
                 try:
                     us = timed(lambda: skinny_linear(x, w, tiles=tiles))  # noqa: B023
                 except Exception as e:  # a setting the compiler refuses (shared memory)
@@ -90,21 +87,18 @@ def main() -> None:
             us, best = results[0]
             err = (skinny_linear(x, w, tiles=best).double() - ref).abs().max().item()
             print(f"rows {rows:2d} {name:8s} floor {floor:7.1f} us | cuBLAS {cublas:7.1f} us "
-                  f"({floor / cublas:.0%}), with a bias {cublas_lt:7.1f}, cuBLASLt "
-                  f"{lt_only:7.1f} | skinny default "
-                  f"{default:7.1f} us ({floor / default:.0%}), best {us:7.1f} us "
-                  f"({floor / us:.0%}) {best} | max err {err:.2e} (cuBLAS {err_cublas:.2e})",
-                  flush=True)
+                  f"({floor / cublas:.0%}), with a bias {with_bias:7.1f}, cuBLASLt {lt:7.1f} | "
+                  f"skinny {us:7.1f} us ({floor / us:.0%}) {best} | "
+                  f"max err {err:.2e} (cuBLAS {err_cublas:.2e})", flush=True)
             for us2, tiles in results[1:4]:
                 print(f"{'':24s} next {tiles} {us2:7.1f} us ({floor / us2:.0%})")
             if name != "lm_head":
-                sums = per_layer.setdefault(rows, [0.0, 0.0, 0.0])
-                for i, t in enumerate((cublas, us, default)):
-                    sums[i] += t
-    for rows, (c, s, d) in per_layer.items():
-        print(f"rows {rows}: a layer's linears cuBLAS {c:.1f} us, skinny best {s:.1f} us, "
-              f"default {d:.1f} us; x36 layers, cuBLAS - default: {36 * (c - d) / 1e3:+.3f} ms "
-              "a step")
+                per_layer.setdefault(rows, [0.0, 0.0])
+                per_layer[rows][0] += cublas
+                per_layer[rows][1] += us
+    for rows, (c, s) in per_layer.items():
+        print(f"rows {rows}: a layer's linears (best settings) cuBLAS {c:.1f} us, skinny {s:.1f}"
+              f" us; x36 layers: {36 * (c - s) / 1e3:+.3f} ms a step")
 
 
 if __name__ == "__main__":

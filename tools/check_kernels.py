@@ -51,8 +51,6 @@ def cases():
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8 import FP8
     from nanoserve.models.triton_linear import (
-        _COUNTERS,
-        LinearTiles,
         skinny_linear,
         skinny_silu_linear,
     )
@@ -89,10 +87,6 @@ def cases():
     for n, kk in ((6144, 4096), (151936, 4096)):
         yield f"skinny matmul {n} x {kk}", lambda n=n, kk=kk: skinny_linear(
             torch.zeros(1, kk, dtype=bf16), torch.zeros(n, kk, dtype=bf16))
-    _COUNTERS[torch.device("cpu")] = torch.zeros(4096, dtype=torch.int32)  # as if warmed up
-    yield "skinny matmul, 64 rows, k split 3 ways", lambda: skinny_linear(
-        torch.zeros(64, 4096, dtype=bf16), torch.zeros(4096, 4096, dtype=bf16),
-        tiles=LinearTiles(64, 128, 4, 3, 3))
     yield "SiLU-multiply + skinny matmul", lambda: skinny_silu_linear(
         torch.zeros(1, 2 * 12288, dtype=bf16), torch.zeros(4096, 12288, dtype=bf16))
 
