@@ -245,10 +245,11 @@ class ModelRunner:
         return self._forward_eager(inputs)
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        self.executor.begin(inputs.offload)  # before the backend's preparation (its copies)
         ctx = inputs.context()
         for part in ctx.prepared_parts():
             self.backend.prepare(part)
         state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows)
         with forward_context(ctx):
-            self.executor.run(self.executor.segments(state), inputs.offload)
+            self.executor.run(self.executor.segments(state), inputs.offload, begun=True)
         return state.logits

@@ -87,14 +87,23 @@ class StepExecutor:
         return [head] + [streamed(j) for j in range(self.streamer.num_streamed)] + \
             [logits_of_hidden]
 
-    def run(self, segments: list[Segment], plan: StepPlan | None) -> None:
+    def begin(self, plan: StepPlan | None) -> None:
+        """Queues the step's first layer loads. A caller that queues other device work for the
+        step (a graph's input copies) begins first: a copy that the compute stream queues ahead
+        of the loads holds them, in the copy engines' order, until the compute stream reaches
+        it, the end of the step before (engine/uploads.py)."""
+        if self.streamer is not None:
+            self.streamer.begin_step(plan)
+
+    def run(self, segments: list[Segment], plan: StepPlan | None, begun: bool = False) -> None:
         """Runs (or replays) a step's segments in order, with the streamer's ordering around
-        each streamed layer."""
+        each streamed layer; `begun`: `begin` was called for this step."""
         if self.streamer is None:
             segments[0]()
             return
         s = self.streamer
-        s.begin_step(plan)
+        if not begun:
+            s.begin_step(plan)
         segments[0]()
         for j, segment in enumerate(segments[1:-1]):
             s.wait_loaded(j)
