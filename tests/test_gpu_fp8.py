@@ -34,7 +34,8 @@ def varied(shape: tuple[int, ...], gen: torch.Generator, device="cuda") -> torch
 
 def paged_fp8(lens, kv_heads, d, page_size, gen):
     """FP8 caches of scattered pages in the engine's layout (values and scales in one row per
-    page), filled with quantized `varied` K/V; returns the views, page table and lengths."""
+    page), filled with quantized `varied` K/V, NaN bytes past each context in its last page
+    (the kernel reads them and must mask them); returns the views, page table and lengths."""
     pages_per = [-(-n // page_size) for n in lens]
     total = sum(pages_per) + 1
     spec = KVSpec(1, page_size, kv_heads, d, FP8)
@@ -50,6 +51,8 @@ def paged_fp8(lens, kv_heads, d, page_size, gen):
     for b, p in enumerate(pages_per):
         table[b, :p] = perm[start:start + p].int()
         start += p
+        for values in (k, v):  # 0x7F: an e4m3 NaN
+            values.view(torch.uint8)[table[b, p - 1], (lens[b] - 1) % page_size + 1:] = 0x7F
     return k, v, k_scale, v_scale, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
@@ -59,11 +62,14 @@ def paged_fp8(lens, kv_heads, d, page_size, gen):
 @pytest.mark.parametrize("page_size, tma", [(16, False), (256, False), (256, True)],
                          ids=["page16", "page256", "page256-tma"])
 @pytest.mark.parametrize("f16_dot", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
 def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, heads, kv_heads,
-                                                                       page_size, tma, f16_dot):
+                                                                       page_size, tma, f16_dot,
+                                                                       transposed):
     """The kernel's only error is its own arithmetic: the same bound as the bf16 kernel's
     against float64 on the dequantized K/V, with bf16 dots and with float16 dots (whose V
-    scales of 1e-3-magnitude values would fall to float16's subnormals if applied as is)."""
+    scales of 1e-3-magnitude values would fall to float16's subnormals if applied as is),
+    each computed both ways round (Tiles.transposed)."""
     from nanoserve.attention.triton_decode import (
         TILES,
         num_splits_for,
@@ -76,7 +82,7 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
-    tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma)
+    tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma, transposed=transposed)
     out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
                                  v_scale=v_scale, tiles=tiles)
     ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
@@ -86,17 +92,39 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     assert rel < 1e-2, f"relative error {rel}"
 
 
-def test_triton_decode_fp8_under_an_fp32_query_is_tight():
-    from nanoserve.attention.triton_decode import paged_decode_attention
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_decode_fp8_under_an_fp32_query_is_tight(transposed):
+    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     k, v, k_scale, v_scale, table, lens_t = paged_fp8([100, 2000, 9], 4, 64, 16, gen)
     q = torch.randn(3, 16, 64, device="cuda", generator=gen)
     out = paged_decode_attention(q, k, v, table, lens_t, 0.125, 8, k_scale=k_scale,
-                                 v_scale=v_scale)
+                                 v_scale=v_scale,
+                                 tiles=TILES["fp8"]._replace(transposed=transposed))
     ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
                            dequantize.eager(v, v_scale, torch.float64), table, lens_t, 0.125)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("lens", [[7], [300, 4096], [2048] * 16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_decode_fp8_with_one_split_writes_the_output_itself(lens, transposed):
+    """One split (large batches' FP8 path): the split kernel's normalized output stored
+    directly, within the split path's bound of float64."""
+    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(lens))
+    k, v, k_scale, v_scale, table, lens_t = paged_fp8(lens, 8, 128, 256, gen)
+    q = torch.randn(len(lens), 32, 128, device="cuda", generator=gen).bfloat16()
+    out = paged_decode_attention(q, k, v, table, lens_t, 128**-0.5, 1, k_scale=k_scale,
+                                 v_scale=v_scale,
+                                 tiles=TILES["fp8-batched"]._replace(transposed=transposed))
+    ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
+                           dequantize.eager(v, v_scale, torch.float64), table, lens_t,
+                           128**-0.5)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("kv_heads, d, page_size", [(8, 128, 256), (4, 128, 16), (2, 64, 16),

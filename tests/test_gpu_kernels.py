@@ -35,6 +35,8 @@ def random_paged(batch, lens, heads, kv_heads, d, page_size, dtype, gen):
     for b, p in enumerate(pages_per):
         table[b, :p] = perm[start:start + p].int()
         start += p
+        for cache in (k_cache, v_cache):  # NaNs past the context in its last page: masked
+            cache[table[b, p - 1], (lens[b] - 1) % page_size + 1:] = float("nan")
     q = torch.randn(batch, heads, d, device=dev, dtype=dtype, generator=gen)
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32, device=dev)
 
@@ -44,7 +46,9 @@ def random_paged(batch, lens, heads, kv_heads, d, page_size, dtype, gen):
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
 @pytest.mark.parametrize("page_size, tma", [(16, False), (256, False), (256, True)],
                          ids=["page16", "page256", "page256-tma"])
-def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_size, tma):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_size, tma,
+                                                 transposed):
     from nanoserve.attention.triton_decode import (
         TILES,
         num_splits_for,
@@ -60,7 +64,8 @@ def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_siz
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
     out = paged_decode_attention(q, kc, vc, table, lens_t, scale, splits,
-                                 tiles=TILES["default"]._replace(tma=tma))
+                                 tiles=TILES["default"]._replace(tma=tma,
+                                                                 transposed=transposed))
     ref = reference_decode(q, kc, vc, table, lens_t, scale)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all()
@@ -68,24 +73,28 @@ def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_siz
 
 
 @pytest.mark.parametrize("lens", [[7], [300, 4096], [2048] * 16])
-def test_triton_decode_with_one_split_writes_the_output_itself(lens):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_decode_with_one_split_writes_the_output_itself(lens, transposed):
     """One split: no merge kernel, the split kernel's normalized output stored directly, within
     the split path's bound of float64."""
-    from nanoserve.attention.triton_decode import paged_decode_attention
+    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(sum(lens))
     q, kc, vc, table, lens_t = random_paged(len(lens), lens, 32, 8, 128, 256, torch.bfloat16,
                                             gen)
-    out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 1)
+    out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 1,
+                                 tiles=TILES["default"]._replace(transposed=transposed))
     ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_triton_decode_fp32_is_tight():
-    from nanoserve.attention.triton_decode import paged_decode_attention
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_decode_fp32_is_tight(transposed):
+    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, kc, vc, table, lens_t = random_paged(3, [100, 2000, 9], 16, 4, 64, 16, torch.float32, gen)
-    out = paged_decode_attention(q, kc, vc, table, lens_t, 0.125, 8)
+    out = paged_decode_attention(q, kc, vc, table, lens_t, 0.125, 8,
+                                 tiles=TILES["default"]._replace(transposed=transposed))
     ref = reference_decode(q, kc, vc, table, lens_t, 0.125)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -11,6 +11,8 @@ own environment (the project's test environment has none):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -66,18 +68,32 @@ def cases():
     cos_sin = torch.zeros(64, d)
     positions = torch.zeros(4, dtype=torch.int64)
     norm = (torch.ones(d, dtype=bf16), torch.ones(d, dtype=bf16), 1e-6)
-    yield "decode attention, bf16 KV", lambda: paged_decode_attention(
-        q, caches[bf16][0], caches[bf16][1], table, lens, d**-0.5, 8)
-    yield "decode attention, FP8 KV", lambda: paged_decode_attention(
-        q, caches[FP8][0], caches[FP8][1], table, lens, d**-0.5, 8, k_scale=scales[0],
-        v_scale=scales[1])
-    yield "decode attention, bf16 KV, one split (no merge)", lambda: paged_decode_attention(
-        q, caches[bf16][0], caches[bf16][1], table, lens, d**-0.5, 1)
+
+    def decode(dt, splits=8, tiles=None, q=q, kvh=kv_heads):
+        kw = {"k_scale": scales[0, ..., :kvh], "v_scale": scales[1, ..., :kvh]} \
+            if dt == FP8 else {}
+        return lambda: paged_decode_attention(q, caches[dt][0, ..., :kvh, :],
+                                              caches[dt][1, ..., :kvh, :], table, lens,
+                                              d**-0.5, splits, tiles=tiles, **kw)
+
+    yield "decode attention, bf16 KV", decode(bf16)
+    yield "decode attention, FP8 KV", decode(FP8)
+    yield "decode attention, bf16 KV, one split (no merge)", decode(bf16, 1)
     for dt, tiles in ((bf16, Tiles(64, 4, 2, tma=True)), (FP8, Tiles(128, 4, 3, tma=True))):
-        kv_scales = {"k_scale": scales[0], "v_scale": scales[1]} if dt == FP8 else {}
-        yield f"decode attention, {dt}, TMA", lambda dt=dt, tiles=tiles, kw=kv_scales: \
-            paged_decode_attention(q, caches[dt][0], caches[dt][1], table, lens, d**-0.5, 8,
-                                   tiles=tiles, **kw)
+        for transposed in (False, True):
+            yield f"decode attention, {dt}, TMA, transposed {transposed}", \
+                decode(dt, tiles=tiles._replace(transposed=transposed))
+    # the dots both ways (Tiles.transposed), one split and several, float32 queries
+    for dt, tiles in ((bf16, Tiles(64, 4, 2)), (FP8, Tiles(128, 4, 2, f16_dot=True))):
+        for transposed, splits, q_dtype in itertools.product((False, True), (1, 8),
+                                                             (bf16, torch.float32)):
+            yield f"decode attention, {dt}, q {q_dtype}, transposed {transposed}, " \
+                f"{splits} split(s)", decode(dt, splits, tiles._replace(transposed=transposed),
+                                             q.to(q_dtype))
+    for group_heads, kvh in ((28, 4), (8, 8), (64, 8)):  # groups of 7, 1 and 8
+        yield f"decode attention, FP8 KV, {group_heads} heads / {kvh}, transposed", decode(
+            FP8, tiles=Tiles(128, 4, 2, f16_dot=True, transposed=True),
+            q=torch.zeros(4, group_heads, d, dtype=bf16), kvh=kvh)
     for qk_norm in (norm, None):
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],

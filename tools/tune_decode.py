@@ -3,7 +3,11 @@
 as achieved KV read bandwidth (values and scales) and its ratio to the HBM floor. Usage (GPU):
     python tools/tune_decode.py [--shapes 1x32768,4x32768,64x512,1x131072] [--hbm-gbs 4229]
 Prints the best setting per (dtype, shape) and the current default's time beside it. With
---f16-dot, FP8 also tries float16 dots (Tiles.f16_dot).
+--f16-dot, FP8 also tries float16 dots (Tiles.f16_dot); with --transposed, every candidate is
+also tried with its dots transposed (Tiles.transposed). FP8's default at the Qwen3-8B shape,
+both ways:
+    python tools/tune_decode.py --dtypes fp8 --block-n 128 --warps 4 --stages 2 --f16-dot \
+        --transposed
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--f16-dot", action="store_true", help="FP8: also try float16 dots")
     ap.add_argument("--tma", action="store_true",
                     help="also try K/V tiles through TMA descriptors (Tiles.tma)")
+    ap.add_argument("--transposed", action="store_true",
+                    help="also try the dots transposed: scores [tokens, group] (Tiles.transposed)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -66,6 +72,8 @@ def main() -> None:
                                                              ints(args.stages))]
     if args.tma:  # PAGE (256) is a multiple of every block_n tried
         base += [t._replace(tma=True) for t in base]
+    if args.transposed:
+        base += [t._replace(transposed=True) for t in base]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", base + [t._replace(f16_dot=True) for t in base
                                           if t.block_n >= 64 and args.f16_dot])}

@@ -15,6 +15,16 @@ scale never pushes p * scale into float16's subnormals. V is converted while its
 registers and only then goes to shared memory for the dot: converted after the shared-memory
 load instead (where Triton puts an elementwise conversion by default), 8-bit V read transposed
 for p.V comes one byte per load with bank conflicts, which made FP8 as slow as bf16.
+
+Transposed dots (Tiles.transposed): scores as K.q^T [tokens, group] and the accumulator as
+V^T.p [head_dim, group] rather than q.K^T [group, tokens] and p.V [group, head_dim]. The group
+(4 query heads on Qwen3-8B) is then an MMA's N side, padded to 8, not its M side, padded to 16:
+half the tensor-core work and fewer instructions around it. Compiled for sm_90 (triton 3.6.0),
+the loop over 128-token FP8 tiles with float16 dots is 1,009 SASS instructions per warp per
+tile against 1,296 (padded to 16 instead, the transposed form takes wgmma and 1,230), which is
+what counts if the kernel is issue-bound, as FP8 at 1 x 128K (1.76x its memory floor) looks.
+bf16's 64-token loop gains little (423 against 442, and its V tiles are then loaded through
+registers, not copied to shared memory asynchronously), so bf16 keeps the first form.
 """
 
 from __future__ import annotations
@@ -35,13 +45,15 @@ class Tiles(NamedTuple):
     not; q and the probabilities are rounded to float16 then, not to the model's dtype); and
     how many times the caller's split count (num_splits_for) to launch; whether K/V tiles are
     read through TMA tensor descriptors (each tile lies in one page, page_size % block_n == 0,
-    so it is one box of the cache, copied to shared memory asynchronously)."""
+    so it is one box of the cache, copied to shared memory asynchronously); whether the dots
+    are computed transposed, the group on the MMA's N side (module docstring)."""
     block_n: int
     num_warps: int
     num_stages: int
     f16_dot: bool = False
     split_factor: int = 1
     tma: bool = False  # K/V tiles through TMA descriptors (async copies to shared memory)
+    transposed: bool = False  # scores [tokens, group], accumulator [head_dim, group]
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -51,10 +63,11 @@ class Tiles(NamedTuple):
 # float16 in one instruction per pair, to bfloat16 in three) and at small batches twice the
 # splits: 1 x 32K 41.0 us, 1 x 128K 128.7 us (bfloat16 dots: 46.0, 150.5), 64 x 512 40.8 us
 # with one split; "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
-# points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots).
+# points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots). FP8's
+# transposed dots are chosen by instruction count alone (module docstring), not yet timed.
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True),
-         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2),
-         "fp8-batched": Tiles(128, 4, 2, f16_dot=True)}
+         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2, transposed=True),
+         "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
 SMALL_BATCH = 8
 
 
@@ -70,6 +83,20 @@ def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int 
 
 
 @triton.jit
+def _per_head(x, TRANSPOSED: tl.constexpr):
+    """x, one value per head of the group, broadcastable against the scores [G, N] and the
+    accumulator [G, D], or against their transposes [N, G] and [D, G]."""
+    return tl.expand_dims(x, 0 if TRANSPOSED else 1)
+
+
+@triton.jit
+def _per_token(x, TRANSPOSED: tl.constexpr):
+    """x, one value per token of the scores (or per element of head_dim of the accumulator,
+    which lies on the same axis), broadcastable against them or their transposes."""
+    return tl.expand_dims(x, 1 if TRANSPOSED else 0)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, MidO, MidLse, scale,
     stride_qb, stride_qh,
@@ -82,7 +109,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
-    IN_PAGE: tl.constexpr, DIRECT: tl.constexpr,
+    IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -104,9 +131,14 @@ def _decode_split_kernel(
     if F16_DOT:
         q = q.to(tl.float16)
 
+    # scores [G, N] and accumulator [G, D], or transposed [N, G] and [D, G] (module docstring)
+    TOKEN_AXIS: tl.constexpr = 0 if TRANSPOSED else 1
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     page_row = PageTable + b.to(tl.int64) * stride_pt
     for t in range(tile_lo, tile_hi):
         tok = t * BLOCK_N + offs_n
@@ -139,18 +171,21 @@ def _decode_split_kernel(
             k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt
                         + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if TRANSPOSED:
+            qk = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=PRECISION)
+        else:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if SCALED:
             scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
             k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
-            qk = qk * (k_scale[None, :] * scale)
+            qk = qk * _per_token(k_scale * scale, TRANSPOSED)
         else:
             qk = qk * scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
+        qk = tl.where(_per_token(n_mask, TRANSPOSED), qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, TOKEN_AXIS))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
+        p = tl.exp(qk - _per_head(m_new, TRANSPOSED))
+        l_sum = l_sum * alpha + tl.sum(p, TOKEN_AXIS)
         if IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
             v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
                         + offs_d[None, :])
@@ -167,23 +202,26 @@ def _decode_split_kernel(
             v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
             if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
                 v_max = tl.max(v_scale, 0)
-                p = p * (v_scale / v_max)[None, :]
+                p = p * _per_token(v_scale / v_max, TRANSPOSED)
             else:
-                p = p * v_scale[None, :]
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+                p = p * _per_token(v_scale, TRANSPOSED)
+        if TRANSPOSED:
+            pv = tl.dot(tl.trans(v.to(q.dtype)), p.to(q.dtype), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         if SCALED and F16_DOT:
             pv = pv * v_max
-        acc = acc * alpha[:, None] + pv
+        acc = acc * _per_head(alpha, TRANSPOSED) + pv
         m = m_new
 
     has_work = tile_hi > tile_lo
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
-    out = tl.where(has_work, acc / safe_l[:, None], 0.0)
+    out = tl.where(has_work, acc / _per_head(safe_l, TRANSPOSED), 0.0)
     lse = tl.where(has_work, m + tl.log(safe_l), float("-inf"))
     # DIRECT (one split): MidO is the output itself, in its dtype; no log-sum-exp, no merge
-    tl.store(MidO + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos
-             + offs_d[None, :], out.to(MidO.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(MidO + b * stride_mob + _per_head(heads, TRANSPOSED) * stride_moh
+             + s * stride_mos + _per_token(offs_d, TRANSPOSED), out.to(MidO.dtype.element_ty),
+             mask=_per_head(g_mask, TRANSPOSED) & _per_token(d_mask, TRANSPOSED))
     if not DIRECT:
         tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
 
@@ -261,6 +299,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     f16_dot = scaled and tiles.f16_dot and q.dtype != torch.float32  # float32 q: float32 dots
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
+    # the group is padded to an MMA's N (8) when transposed, to its M (16) otherwise
+    block_g = max(8 if tiles.transposed else 16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens, mid_o,
         mid_lse, scale,
@@ -271,10 +311,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
+        TRANSPOSED=tiles.transposed,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
