@@ -61,8 +61,8 @@ def paged_fp8(lens, kv_heads, d, page_size, gen):
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
 @pytest.mark.parametrize("page_size, tma", [(16, False), (256, False), (256, True)],
                          ids=["page16", "page256", "page256-tma"])
-@pytest.mark.parametrize("f16_dot", [False, True])
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("f16_dot, transposed", [(True, True), (True, False), (False, True)],
+                         ids=["default", "untransposed", "bf16-dots"])
 def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, heads, kv_heads,
                                                                        page_size, tma, f16_dot,
                                                                        transposed):

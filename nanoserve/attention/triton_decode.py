@@ -23,8 +23,10 @@ half the tensor-core work and fewer instructions around it. Compiled for sm_90 (
 the loop over 128-token FP8 tiles with float16 dots is 1,009 SASS instructions per warp per
 tile against 1,296 (padded to 16 instead, the transposed form takes wgmma and 1,230), which is
 what counts if the kernel is issue-bound, as FP8 at 1 x 128K (1.76x its memory floor) looks.
-bf16's 64-token loop gains little (423 against 442, and its V tiles are then loaded through
-registers, not copied to shared memory asynchronously), so bf16 keeps the first form.
+Measured on an H200 (tools/tune_decode.py): FP8 1 x 128K 106.3 us against 115.2, 1 x 32K 34.9
+against 38.4, 64 x 512 37.0 against 40.2. bf16's 64-token loop gains little (423 instructions
+against 442; its V tiles are then loaded through registers, not copied to shared memory
+asynchronously): with TMA tiles at 64 x 512, 34.9 us against 35.7, so batched bf16 takes it.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class Tiles(NamedTuple):
 # float16 in one instruction per pair, to bfloat16 in three) and at small batches twice the
 # splits: 1 x 32K 41.0 us, 1 x 128K 128.7 us (bfloat16 dots: 46.0, 150.5), 64 x 512 40.8 us
 # with one split; "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
-# points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots). FP8's
-# transposed dots are chosen by instruction count alone (module docstring), not yet timed.
-TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True),
+# points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots). Transposed
+# dots: FP8 and batched bf16 (module docstring).
+TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
          "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2, transposed=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
 SMALL_BATCH = 8

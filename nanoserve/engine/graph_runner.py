@@ -85,8 +85,6 @@ class DecodeGraphRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """inputs: a decode step built with pad_to=padded_size(n); returns its logits."""
         bs = inputs.input_ids.shape[0]
-        plan = inputs.offload
-        self.executor.begin(plan)  # before the input copies below (StepExecutor.begin)
         self.input_ids[:bs].copy_(inputs.input_ids)
         self.positions[:bs].copy_(inputs.positions)
         self.slot_mapping[:bs].copy_(inputs.slot_mapping)
@@ -94,11 +92,12 @@ class DecodeGraphRunner:
         self.page_tables[:bs, :inputs.page_tables.shape[1]].copy_(inputs.page_tables)
         graphs, ctx = self.graphs[bs]
         self.backend.prepare_replay(ctx, bs)
+        plan = inputs.offload
         if plan is not None:  # the step's tails into the graphs' fixed tensors; padding: dummy
             n = inputs.num_seqs
             self.tail_pages[:n].copy_(plan.tail_pages)
             self.tail_rows[:n].copy_(plan.tail_rows)
             self.tail_pages[n:bs].fill_(DUMMY_PAGE)
             self.tail_rows[n:bs].fill_(self.executor.streamer.dummy_row)
-        self.executor.run([g.replay for g in graphs], plan, begun=True)
+        self.executor.run([g.replay for g in graphs], plan)
         return self.logits[:bs]

@@ -80,9 +80,6 @@ class ModelRunner:
         self.inputs = StepInputBuilder(cfg.page_size, self.device,
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
-        # a step's small uploads ride the layer copy stream (engine/uploads.py says why)
-        self.upload_stream = self.kv.streamer.copy_stream \
-            if streaming and self.kv.streamer.cuda else None
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
         self.graphs: DecodeGraphRunner | None = None
@@ -164,9 +161,9 @@ class ModelRunner:
             return [None] * n
         # logits come from the model's dtype: a half-precision model's are exact in it
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
-        t = build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
-                                   self.token_stats, stream=self.upload_stream)
-        out = sample(logits, t, key_dtype)
+        out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
+                                                    self.inputs.pin, self.token_stats),
+                     key_dtype)
         tokens = iter(out.token_ids)
         logprobs = iter(out.logprobs or [None] * len(seqs))
         batch.logprobs = [next(logprobs) if yes else None for yes in step.samples]
@@ -176,16 +173,13 @@ class ModelRunner:
                             ) -> torch.Tensor:
         """The step's forward here, and under TP on every worker (sent first)."""
         if self.peers is None:
-            return self.forward(self._upload(step, in_flight))
+            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
         self.peers.send(step)
         try:
-            return self.forward(self._upload(step, in_flight))
+            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
         except Exception as e:  # the workers run theirs: the ranks are out of step for good
             raise TensorParallelFailure(f"a step failed on rank 0 after its workers took it: "
                                         f"{type(e).__name__}: {e}") from e
-
-    def _upload(self, step: HostStep, in_flight: InFlightTokens | None) -> StepInputs:
-        return step.to_device(self.device, self.inputs.pin, in_flight, self.upload_stream)
 
     @torch.inference_mode()
     def execute(self, step: HostStep) -> None:
@@ -193,7 +187,7 @@ class ModelRunner:
         sampling. A launched step's ids arrive from rank 0 (async scheduling): the next step's
         rows that wait for them take them on the device, as rank 0's do."""
         in_flight = self._worker_tokens if step.uses_in_flight else None
-        self.forward(self._upload(step, in_flight))
+        self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
         if step.shares_tokens:
             rows = len(step.samples)
             tokens = torch.empty(rows, dtype=torch.int64, device=self.device)
@@ -213,7 +207,7 @@ class ModelRunner:
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         positions = [s.num_tokens + s.num_pending for s in batch.seqs]
         t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
-                                   positions=positions, stream=self.upload_stream)
+                                   positions=positions)
         tokens = broadcast_from_rank0(sample_on_device(logits, t, key_dtype))
         done = None
         host = tokens
@@ -245,11 +239,10 @@ class ModelRunner:
         return self._forward_eager(inputs)
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
-        self.executor.begin(inputs.offload)  # before the backend's preparation (its copies)
         ctx = inputs.context()
         for part in ctx.prepared_parts():
             self.backend.prepare(part)
         state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows)
         with forward_context(ctx):
-            self.executor.run(self.executor.segments(state), inputs.offload, begun=True)
+            self.executor.run(self.executor.segments(state), inputs.offload)
         return state.logits

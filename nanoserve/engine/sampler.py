@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from nanoserve.engine.token_stats import TokenStats
-from nanoserve.engine.uploads import host_to_device
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
@@ -99,13 +98,11 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = False,
                            stats: TokenStats | None = None,
-                           positions: list[int] | None = None,
-                           stream: torch.cuda.Stream | None = None) -> SamplingTensors | None:
+                           positions: list[int] | None = None) -> SamplingTensors | None:
     """`seqs`: objects with `params` (SamplingParams), `seed`, `seq_id`, `token_ids`,
     `num_prompt_tokens`; each samples the token at its `positions` entry (default:
     len(token_ids)). `stats`: the engine's per-sequence token statistics (penalties); without
-    them, built for this call. `stream`: the one the uploads ride (uploads.host_to_device).
-    None when every row is plain greedy (nothing to upload)."""
+    them, built for this call. None when every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
     if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
            for p in params):
@@ -113,7 +110,7 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
 
     def put(data, dtype) -> torch.Tensor:
         t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-        return host_to_device(t.pin_memory() if pin else t, device, stream)
+        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
     greedy = [p.greedy for p in params]
     sampled = [p for p, g in zip(params, greedy, strict=True) if not g]

@@ -87,23 +87,14 @@ class StepExecutor:
         return [head] + [streamed(j) for j in range(self.streamer.num_streamed)] + \
             [logits_of_hidden]
 
-    def begin(self, plan: StepPlan | None) -> None:
-        """Queues the step's first layer loads. A caller that queues other device work for the
-        step (a graph's input copies) begins first: a copy that the compute stream queues ahead
-        of the loads holds them, in the copy engines' order, until the compute stream reaches
-        it, the end of the step before (engine/uploads.py)."""
-        if self.streamer is not None:
-            self.streamer.begin_step(plan)
-
-    def run(self, segments: list[Segment], plan: StepPlan | None, begun: bool = False) -> None:
+    def run(self, segments: list[Segment], plan: StepPlan | None) -> None:
         """Runs (or replays) a step's segments in order, with the streamer's ordering around
-        each streamed layer; `begun`: `begin` was called for this step."""
+        each streamed layer."""
         if self.streamer is None:
             segments[0]()
             return
         s = self.streamer
-        if not begun:
-            s.begin_step(plan)
+        s.begin_step(plan)
         segments[0]()
         for j, segment in enumerate(segments[1:-1]):
             s.wait_loaded(j)

@@ -15,7 +15,6 @@ import torch
 
 from nanoserve.context import ForwardContext
 from nanoserve.engine.scheduler import Batch
-from nanoserve.engine.uploads import host_to_device
 from nanoserve.kv.pages import DUMMY_PAGE
 from offload import StepPlan, coalesce_runs
 
@@ -59,11 +58,10 @@ class InFlightTokens:
     rows: dict[int, int]  # seq_id -> its row in tokens
 
 
-def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool,
-           stream: torch.cuda.Stream | None = None) -> dict[str, torch.Tensor]:
+def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool
+           ) -> dict[str, torch.Tensor]:
     """Host arrays -> device tensors: one staging buffer (pinned on CUDA), one non-blocking
-    copy (on `stream`: uploads.host_to_device), then typed views. Each array starts on an
-    8-byte boundary."""
+    copy, then typed views. Each array starts on an 8-byte boundary."""
     offsets, total = {}, 0
     for name, a in arrays.items():
         offsets[name] = total
@@ -73,7 +71,7 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device, pin: bool,
     for name, a in arrays.items():
         raw[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8) \
             .reshape(-1)
-    dev = host_to_device(host, device, stream)
+    dev = host.to(device, non_blocking=True)
     return {name: dev[offsets[name]:offsets[name] + a.nbytes]
             .view(torch.from_numpy(a[:0]).dtype).view(a.shape) for name, a in arrays.items()}
 
@@ -104,12 +102,10 @@ class HostStep:
     uses_in_flight: bool = False  # some rows take the previous launched step's ids
 
     def to_device(self, device: torch.device, pin: bool,
-                  in_flight: InFlightTokens | None = None,
-                  stream: torch.cuda.Stream | None = None) -> StepInputs:
+                  in_flight: InFlightTokens | None = None) -> StepInputs:
         """in_flight: the tokens of the step launched before this one, not yet read back; a
-        decode row whose sequence waits for one takes it as its input id on the device.
-        stream: the one the upload rides (uploads.host_to_device)."""
-        t = upload(self.arrays, device, pin, stream)
+        decode row whose sequence waits for one takes it as its input id on the device."""
+        t = upload(self.arrays, device, pin)
         if in_flight is not None:
             src = t["from_step"]
             t["ids"] = torch.where(src >= 0, in_flight.tokens[src.clamp(min=0)], t["ids"])
