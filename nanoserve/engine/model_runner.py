@@ -3,7 +3,6 @@ replay, then the sampler."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,6 @@ from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling_params import SamplingParams
 
-log = logging.getLogger("nanoserve")
 
 
 @dataclass
@@ -83,15 +81,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
         self.graphs: DecodeGraphRunner | None = None
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager and \
-            self.backend.supports_graphs
-        if graphs and tp_size() > 1 and streaming:
-            # measured on an H200 x4: streamed layers' graphs with captured all-reduces hung
-            # (cause not found yet); eager offloaded decode runs at the same PCIe floor
-            log.warning("tensor parallelism with streamed layers: decode runs without CUDA "
-                        "graphs")
-            graphs = False
-        if graphs:
+        if self.device.type == "cuda" and not cfg.enforce_eager and \
+                self.backend.supports_graphs:
             self.graphs = DecodeGraphRunner(
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
