@@ -29,7 +29,6 @@ from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling_params import SamplingParams
 
 
-
 @dataclass
 class LaunchedStep:
     """A decode step whose kernels are queued and whose tokens the host has not read yet."""
