@@ -21,7 +21,7 @@ run() { echo "=== $*"; timeout -s ABRT "${STEP_TIMEOUT:-0}" "$@"; echo "=== rc=$
 B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
-    tests)  # one H200: 425 s at session 9's end (STEP_TIMEOUT=450, a call of its own)
+    tests)  # one H200: 501 s at session 11's end (STEP_TIMEOUT=575, a call of its own)
       run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
