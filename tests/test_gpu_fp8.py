@@ -68,8 +68,8 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
                                                                        transposed):
     """The kernel's only error is its own arithmetic: the same bound as the bf16 kernel's
     against float64 on the dequantized K/V, with bf16 dots and with float16 dots (whose V
-    scales of 1e-3-magnitude values would fall to float16's subnormals if applied as is),
-    each computed both ways round (Tiles.transposed)."""
+    scales of 1e-3-magnitude values would fall to float16's subnormals if applied as is), in
+    the default (transposed, float16 dots), untransposed and bfloat16-dot forms."""
     from nanoserve.attention.triton_decode import (
         TILES,
         num_splits_for,

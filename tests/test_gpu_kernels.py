@@ -73,18 +73,41 @@ def test_triton_decode_matches_float64_reference(lens, heads, kv_heads, page_siz
 
 
 @pytest.mark.parametrize("lens", [[7], [300, 4096], [2048] * 16])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_triton_decode_with_one_split_writes_the_output_itself(lens, transposed):
+@pytest.mark.parametrize("tiles", [("default", False), ("default", True), ("batched", True)],
+                         ids=["default", "transposed", "batched-tma-transposed"])
+def test_triton_decode_with_one_split_writes_the_output_itself(lens, tiles):
     """One split: no merge kernel, the split kernel's normalized output stored directly, within
-    the split path's bound of float64."""
+    the split path's bound of float64; "batched" is large batches' bf16 path (one split, TMA
+    tiles, transposed dots)."""
     from nanoserve.attention.triton_decode import TILES, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(sum(lens))
     q, kc, vc, table, lens_t = random_paged(len(lens), lens, 32, 8, 128, 256, torch.bfloat16,
                                             gen)
+    name, transposed = tiles
     out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 1,
-                                 tiles=TILES["default"]._replace(transposed=transposed))
+                                 tiles=TILES[name]._replace(transposed=transposed))
     ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 4), (64, 4)], ids=["group8", "group16"])
+@pytest.mark.parametrize("tiles", [("default", False), ("default", True), ("batched", True)],
+                         ids=["default", "transposed", "batched-tma-transposed"])
+def test_triton_decode_takes_groups_of_8_and_16(heads, kv_heads, tiles):
+    """A GQA group of 8 (Qwen3-30B-A3B) fills the transposed form's 8-wide MMA side exactly;
+    16 takes two of it: both within the bound of the other decode tests."""
+    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    lens = [300, 4096, 9]
+    q, kc, vc, table, lens_t = random_paged(3, lens, heads, kv_heads, 128, 256, torch.bfloat16,
+                                            gen)
+    name, transposed = tiles
+    out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, 4,
+                                 tiles=TILES[name]._replace(transposed=transposed))
+    ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
+    assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 

@@ -60,20 +60,21 @@ def test_silu_mul_in_the_skinny_matmul_matches_float64(n, i):
 
 @needs_cuda
 @pytest.mark.parametrize("rows", [16, 32, 64, 65])
-def test_long_k_products_at_32_to_64_rows_take_cublaslt(rows):
-    """down's shape (k 12288 > n 4096) at 32-64 rows goes through a zero bias (torch's cuBLASLt
-    path), within one bf16 step of float64; other row counts, and wide weights, do not."""
-    from nanoserve.models.layers import LT_ROWS, Linear
+def test_down_at_32_to_64_rows_goes_through_a_zero_bias(rows):
+    """The MLP's down at 32-64 rows takes the zero-bias route (torch's cuBLASLt path), within
+    one bf16 step of float64; other row counts, and other layers, keep plain F.linear."""
+    from nanoserve.models.layers import DOWN_LT_ROWS, Linear
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     down = Linear(12288, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
-    wide = Linear(4096, 6144, bias=False, device="cuda", dtype=torch.bfloat16)
-    for layer in (down, wide):
+    down.lt_rows = DOWN_LT_ROWS
+    other = Linear(12288, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    for layer in (down, other):
         layer.weight.data = (torch.randn(layer.weight.shape, device="cuda", generator=g)
                              * layer.in_features**-0.5).bfloat16()
         x = torch.randn(rows, layer.in_features, device="cuda", generator=g).bfloat16()
         y = layer(x)
         ref = x.double() @ layer.weight.double().T
         assert (y.double() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
-    assert (down._zero_bias is not None) == (rows in LT_ROWS) == (32 <= rows <= 64)
-    assert wide._zero_bias is None
+    assert (down._zero_bias is not None) == (32 <= rows <= 64)
+    assert other._zero_bias is None

@@ -72,8 +72,10 @@ def main() -> None:
             zero = torch.zeros(n, device=dev, dtype=torch.bfloat16)
             with_bias = timed(lambda: F.linear(x, w, zero))  # noqa: B023  # cuBLASLt's epilogue
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            lt = timed(lambda: F.linear(x, w))  # noqa: B023
-            torch.backends.cuda.preferred_blas_library("default")
+            try:
+                lt = timed(lambda: F.linear(x, w))  # noqa: B023
+            finally:
+                torch.backends.cuda.preferred_blas_library("default")
             err_cublas = (F.linear(x, w).double() - ref).abs().max().item()
             results = []
             for tiles in candidates:

@@ -76,7 +76,8 @@ def copy_timeline(prof, steps: int) -> None:
     stream dependency: an event or the queue of its stream)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     issued = {e["args"]["correlation"]: e["ts"] for e in events
               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     copies = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("bytes", 0),
@@ -102,8 +103,9 @@ def copy_timeline(prof, steps: int) -> None:
         print(f"    gap {gap:7.1f} us ({late:6.1f} host late) between a {prev[2] / 2**20:6.2f} MiB"
               f" copy and a {cur[2] / 2**20:6.2f} MiB copy issued "
               f"{'?' if cur[3] is None else f'{cur[0] - cur[3]:8.1f}'} us before it ran")
-    waiting = max(gaps, key=lambda g: g[0] - g[1])
-    device_timeline(events, waiting[2][0] - 700, waiting[3][1] + 100, waiting[2][1])
+    if gaps:  # from a layer's worth of copies (700 us) before the longest wait
+        waiting = max(gaps, key=lambda g: g[0] - g[1])
+        device_timeline(events, waiting[2][0] - 700, waiting[3][1] + 100, waiting[2][1])
 
 
 def device_timeline(events: list[dict], start: float, end: float, origin: float) -> None:

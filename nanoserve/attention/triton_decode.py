@@ -8,10 +8,11 @@ count depends only on the batch size, so a captured graph stays valid for any co
 
 FP8 KV (kv/fp8.py) is read as stored and dequantized in registers: e4m3 values convert exactly
 to the query's dtype, and each token's scale multiplies, in float32, its column of q.k (K) and
-its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products, not
-its [tokens, head_dim] values. With float16 dots (Tiles.f16_dot) the V scales are taken
-relative to the tile's largest, which multiplies the tile's p.V product instead, so a small
-scale never pushes p * scale into float16's subnormals. V is converted while its tile is in
+its column of the probabilities before the p.V dot (V): a tile's [group, tokens] products
+([tokens, group] when transposed, below), not its [tokens, head_dim] values. With float16
+dots (Tiles.f16_dot) the V scales are taken relative to the tile's largest, which multiplies
+the tile's p.V product instead, so a small scale never pushes p * scale into float16's
+subnormals. V is converted while its tile is in
 registers and only then goes to shared memory for the dot: converted after the shared-memory
 load instead (where Triton puts an elementwise conversion by default), 8-bit V read transposed
 for p.V comes one byte per load with bank conflicts, which made FP8 as slow as bf16.
@@ -80,7 +81,8 @@ def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int 
     tiles = TILES[("fp8" if small else "fp8-batched") if scaled else
                   ("default" if small else "batched")]
     if tiles.tma and (page_size % tiles.block_n or head_dim & (head_dim - 1)):
-        tiles = tiles._replace(tma=False)
+        # bf16's transposed form was measured with TMA tiles only
+        tiles = tiles._replace(tma=False, transposed=tiles.transposed and scaled)
     return tiles
 
 

@@ -24,6 +24,7 @@ from nanoserve.distributed.parallel_state import (
 )
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import (
+    DOWN_LT_ROWS,
     Linear,
     MergedLinear,
     RMSNorm,
@@ -98,6 +99,7 @@ class MLP(nn.Module):
         i = shard(cfg.intermediate_size, "intermediate_size")[1]
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
         self.down_proj = Linear(i, cfg.hidden_size, bias=False)
+        self.down_proj.lt_rows = DOWN_LT_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(silu_mul_linear(self.down_proj, self.gate_up_proj(x)))

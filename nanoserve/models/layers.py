@@ -71,20 +71,21 @@ class RMSNorm(nn.Module):
 # one row: 0.22 ms a step faster than cuBLAS on an H200 (Qwen3-8B); 16 rows: the same; 64 rows:
 # 0.39 ms slower (tools/bench_linear.py)
 SKINNY_MAX_ROWS = 1
-# rows whose products with a weight longer in k than in n (down) take cuBLASLt's bias-epilogue
-# kernels, which torch uses for a 1-D bias (a zero one where the layer has none): on an H200,
-# Qwen3-8B's down at 32 / 48 / 64 rows, 27.4 / 27.8 / 28.3 us against cuBLAS's 28.8 / 30.3 /
+# rows at which the MLP's down projection takes cuBLASLt's bias-epilogue kernels, which torch
+# uses for a 1-D bias (a zero one where the layer has none): on an H200, Qwen3-8B's down (k
+# 12288, n 4096) at 32 / 48 / 64 rows, 27.4 / 27.8 / 28.3 us against cuBLAS's 28.8 / 30.3 /
 # 31.8; at 16 rows, and for qkv, o and gate_up, cuBLAS is as fast or faster (bench_linear.py)
-LT_ROWS = range(32, 65)
+DOWN_LT_ROWS = range(32, 65)
 
 
 class Linear(nn.Linear):
     """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
     which streams o, down, gate_up and lm_head's weights closer to the device bandwidth than
     cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py); down's SiLU-multiply
-    runs in the same kernel (`silu_mul_linear`). A long-k weight (down) at 32-64 rows takes
-    cuBLASLt's kernels (LT_ROWS). `enable_fusion=False` keeps cuBLAS's everywhere."""
+    runs in the same kernel (`silu_mul_linear`). At `lt_rows` rows (the MLP's down: 32-64) a
+    product takes cuBLASLt's kernels. `enable_fusion=False` keeps cuBLAS's everywhere."""
 
+    lt_rows: range = range(0)
     _zero_bias: torch.Tensor | None = None
 
     def skinny(self, x: torch.Tensor, silu: bool = False) -> bool:
@@ -100,17 +101,18 @@ class Linear(nn.Linear):
         if self.skinny(x):
             from nanoserve.models import triton_linear  # a test patches its functions
             return triton_linear.skinny_linear(x, self.weight, self.bias)
-        if self.bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] in LT_ROWS and \
-                self.in_features > self.out_features and fusion_enabled():
+        if self.bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] in self.lt_rows and \
+                fusion_enabled():
             return F.linear(x, self.weight, self._lt_bias())
         return F.linear(x, self.weight, self.bias)
 
     def _lt_bias(self) -> torch.Tensor:
-        if self._zero_bias is None:
+        w = self.weight
+        if self._zero_bias is None or self._zero_bias.dtype != w.dtype or \
+                self._zero_bias.device != w.device:
             # a graph capture would record the zeroing, not run it: warm-up runs first
             assert not torch.cuda.is_current_stream_capturing()
-            self._zero_bias = torch.zeros(self.out_features, dtype=self.weight.dtype,
-                                          device=self.weight.device)
+            self._zero_bias = torch.zeros(self.out_features, dtype=w.dtype, device=w.device)
         return self._zero_bias
 
 
