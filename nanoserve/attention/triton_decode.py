@@ -202,7 +202,7 @@ def _decode_split_kernel(
         if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
             # Triton from moving the conversion after the shared-memory load (module docstring)
             v = tl.where(n_mask[:, None], v.to(q.dtype), tl.zeros_like(v.to(q.dtype)))
-        if SCALED:  # each token's V scale, folded into its column of the probabilities
+            # each token's V scale, folded into its column of the probabilities
             v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
             if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
                 v_max = tl.max(v_scale, 0)
