@@ -1,0 +1,153 @@
+"""Offloaded decode's link and compute timelines from CUDA events, without a profiler: where the
+host->device link idles in a step, and what the compute stream is doing meanwhile.
+
+    python tools/link_timeline.py --input-len 4096 --num-kv-buffers 2,3,4
+
+Each streamed layer's load is bracketed by timing events on the copy stream, and the compute
+stream marks the start of the step (launch), the executor's run (inputs uploaded), each layer's
+start (its load waited for) and end, and the logits. Steps run as the bench runs them (graphs,
+async scheduling). The same steps are first run uninstrumented, to show what the events cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+
+
+class Marks:
+    """Timing events per step, by name (and layer for the per-layer ones)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[tuple[str, int], torch.cuda.Event]] = []
+        self.on = False
+        self.current: dict[tuple[str, int], torch.cuda.Event] | None = None  # in a launch
+
+    def mark(self, name: str, j: int = -1) -> None:
+        if self.current is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.current[(name, j)] = ev
+
+
+def instrument(llm: LLM, marks: Marks) -> None:
+    runner = llm.engine.runner
+    s = runner.kv.streamer
+    host_load, wait_loaded, finish_layer = s.host.load, s.wait_loaded, s.finish_layer
+    begin_step, end_step, launch = s.begin_step, s.end_step, runner.launch
+    def timed_load(j, runs, slot):  # on the copy stream, after its wait for the slot
+        k = sum(name == "load_start" for name, _ in marks.current or {})  # loads run in order
+        marks.mark("load_start", k)
+        host_load(j, runs, slot)
+        marks.mark("load_end", k)
+
+    def timed_wait(j):
+        wait_loaded(j)
+        marks.mark("layer_start", j)
+
+    def timed_finish(j):
+        marks.mark("layer_end", j)
+        finish_layer(j)
+
+    def timed_begin(plan):
+        marks.mark("run")
+        begin_step(plan)
+
+    def timed_end():
+        marks.mark("logits")
+        end_step()
+
+    def timed_launch(batch, in_flight):  # a decode step's work is all queued in here
+        marks.current = {} if marks.on else None
+        marks.mark("launch")
+        out = launch(batch, in_flight)
+        marks.mark("sampled")
+        if marks.current is not None:
+            marks.steps.append(marks.current)
+        marks.current = None
+        return out
+
+    s.host.load, s.wait_loaded, s.finish_layer = timed_load, timed_wait, timed_finish
+    s.begin_step, s.end_step, runner.launch = timed_begin, timed_end, timed_launch
+
+
+def report(marks: Marks, layers: int, load_bytes: float) -> None:
+    torch.cuda.synchronize()
+    steps = [m for m in marks.steps if ("sampled", -1) in m and ("load_end", layers - 1) in m]
+    t = [{k: steps[0][("launch", -1)].elapsed_time(ev) for k, ev in m.items()} for m in steps]
+    step_ms = [b[("launch", -1)] - a[("launch", -1)] for a, b in zip(t, t[1:], strict=False)]
+    busy = [sum(m[("load_end", k)] - m[("load_start", k)] for k in range(layers)) for m in t]
+    gap = defaultdict(list)  # link idle before load k (k = 0: since the last step's last load)
+    for a, b in zip(t, t[1:], strict=False):
+        gap[0].append(b[("load_start", 0)] - a[("load_end", layers - 1)])
+        for k in range(1, layers):
+            gap[k].append(b[("load_start", k)] - b[("load_end", k - 1)])
+    med = statistics.median
+    print(f"  step {med(step_ms):.3f} ms (launch to launch); link busy {med(busy):.3f} ms "
+          f"({load_bytes * layers / med(busy) / 1e6:.1f} GB/s), idle "
+          f"{med(step_ms) - med(busy):.3f} ms a step")
+    worst = sorted(gap, key=lambda k: -med(gap[k]))[:6]
+    print("  link idle before load k (median ms): " +
+          ", ".join(f"k={k}: {med(gap[k]):.3f}" for k in sorted(worst)))
+    rows = []
+    # the boundary on the compute stream, from a's last layer
+    for a, b in zip(t, t[1:], strict=False):
+        last = a[("layer_end", layers - 1)]
+        rows.append((a[("logits", -1)] - last, a[("sampled", -1)] - a[("logits", -1)],
+                     b[("run", -1)] - b[("launch", -1)],
+                     b[("layer_start", 0)] - b[("run", -1)],
+                     b[("layer_start", 0)] - b[("load_end", 0)],
+                     b[("layer_end", 0)] - b[("layer_start", 0)],
+                     med(b[("layer_end", k)] - b[("layer_start", k)] for k in range(layers))))
+    names = ("logits", "sampling", "inputs", "head+wait", "layer0 late on load",
+             "layer0", "layer median")
+    print("  compute boundary (median ms): " + ", ".join(
+        f"{n} {med(r[i] for r in rows):.3f}" for i, n in enumerate(names)))
+    print("  loads: " + ", ".join(
+        f"k={k} {med(m[('load_end', k)] - m[('load_start', k)] for m in t) * 1e3:.0f} us"
+        for k in (0, 1, 2, layers - 1)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="Qwen3-8B")
+    ap.add_argument("--input-len", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--num-kv-buffers", default="2,3,4")
+    args = ap.parse_args()
+    for slots in map(int, args.num_kv_buffers.split(",")):
+        llm = LLM(args.model, dummy_weights=True, progress=False, enable_offload=True,
+                  resident_layers=0, num_kv_buffers=slots,
+                  max_model_len=args.input_len + args.output_len)
+        engine = llm.engine
+        s = engine.runner.kv.streamer
+        marks = Marks()
+        instrument(llm, marks)
+        ids = torch.randint(0, llm.engine.model_config.vocab_size, (args.input_len,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        for on in (False, True):
+            engine.add_request(ids, params)
+            while not any(q.num_output_tokens for q in engine.scheduler.running):
+                engine.step()
+            marks.on, walls = on, []
+            while engine.has_unfinished():
+                a = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - a)
+            marks.on = False
+            print(f"slots {slots}, {'events' if on else 'plain'}: step wall "
+                  f"{statistics.median(walls) * 1e3:.3f} ms")
+        report(marks, s.num_streamed, s.bytes_loaded / s.num_streamed)
+        del llm, engine, s
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
