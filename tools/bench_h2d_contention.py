@@ -6,11 +6,17 @@ memory at full rate. Usage (GPU):
 Rows: pinned host -> device copies of each size back to back on a copy stream, (a) alone,
 (b) while another stream runs one-row matmuls (decode's GEMVs) back to back, (c) while another
 stream copies device memory to device memory. Bandwidth is bytes over the copies' own time.
+
+--layer-loads: offloaded decode's own pattern, a store of 36 layers' K and V (4K tokens of an
+8-kv-head, d=128, bf16 layer: 8 MiB each) loaded layer after layer into two ring slots, as one
+copy per K and V or one per layer, from pinned memory (cudaHostAlloc) or from transparent huge
+pages registered with CUDA, against the same layer over and over.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +48,74 @@ def copies_gbs(host: torch.Tensor, dev: torch.Tensor, reps: int, stream: torch.c
     return reps * host.numel() / ms / 1e6
 
 
+def huge_page_pinned(nbytes: int) -> torch.Tensor:
+    """nbytes of host memory on transparent huge pages (where the kernel grants them), pinned by
+    cudaHostRegister."""
+    m = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    off = -t.data_ptr() % (2 << 20)
+    t = t[off:off + nbytes]
+    t.fill_(0)
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    assert int(err) == 0, f"cudaHostRegister failed: {err}"
+    t._keep = m  # the mapping lives as long as the view
+    return t
+
+
+def layer_loads(layers: int = 36, mb: int = 8, reps: int = 3) -> None:
+    stream = torch.cuda.Stream()
+    nbytes = layers * 2 * (mb << 20)
+    slots = torch.empty(2, 2 * (mb << 20), dtype=torch.uint8, device="cuda")
+    def huge_kib() -> str:
+        with open("/proc/meminfo") as f:
+            return next(line.split()[1] for line in f if line.startswith("AnonHugePages"))
+
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        print(f"AnonHugePages before: {huge_kib()} kB; THP {f.read().strip()}")
+    stores = {"pinned": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+              "huge pages": huge_page_pinned(nbytes)}
+    print(f"AnonHugePages after: {huge_kib()} kB")
+    for name, store in stores.items():
+        view = store.view(layers, 2, mb << 20)
+        for pattern in ("K, V copies", "one copy", "K, V copies, layer 0 only"):
+            def cycle(view=view, pattern=pattern):
+                for j in range(layers):
+                    src = view[0 if "only" in pattern else j]
+                    dst = slots[j % 2]
+                    if pattern == "one copy":
+                        dst.copy_(src.view(-1), non_blocking=True)
+                    else:
+                        dst[: mb << 20].copy_(src[0], non_blocking=True)
+                        dst[mb << 20:].copy_(src[1], non_blocking=True)
+            times = []
+            for _ in range(reps + 1):
+                with torch.cuda.stream(stream):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    cycle()
+                    end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            ms = sorted(times[1:])[reps // 2]
+            print(f"  {name:<10} {pattern:<26}: {nbytes / ms / 1e6:.1f} GB/s "
+                  f"({ms / layers * 1e3:.0f} us a layer)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--copy-mb", default="8,256")
     ap.add_argument("--gemv", default="4096x12288", help="the background one-row matmul's "
                     "weight, NxK (default: Qwen3-8B's down projection)")
+    ap.add_argument("--layer-loads", action="store_true",
+                    help="only offloaded decode's load pattern (see the module's docstring)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_h2d_contention.py measures a GPU: it needs CUDA")
+    if args.layer_loads:
+        layer_loads()
+        return
     n, k = (int(v) for v in args.gemv.split("x"))
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

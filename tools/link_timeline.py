@@ -6,7 +6,8 @@ host->device link idles in a step, and what the compute stream is doing meanwhil
 Each streamed layer's load is bracketed by timing events on the copy stream, and the compute
 stream marks the start of the step (launch), the executor's run (inputs uploaded), each layer's
 start (its load waited for) and end, and the logits. Steps run as the bench runs them (graphs,
-async scheduling). The same steps are first run uninstrumented, to show what the events cost.
+async scheduling). The same steps also run uninstrumented (--variants), to show what the events
+cost.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from nanoserve import LLM, SamplingParams
 class Marks:
     """Timing events per step, by name (and layer for the per-layer ones)."""
 
+    COPY = ("load_start", "load_end")  # on the copy stream; the rest on the compute stream
+
     def __init__(self) -> None:
         self.steps: list[dict[tuple[str, int], torch.cuda.Event]] = []
         self.on = False
+        self.where, self.timing = ("copy", "compute"), True  # which marks; timing events?
         self.current: dict[tuple[str, int], torch.cuda.Event] | None = None  # in a launch
+        self.loads = -1  # loads queued so far in the current launch
 
     def mark(self, name: str, j: int = -1) -> None:
-        if self.current is not None:
-            ev = torch.cuda.Event(enable_timing=True)
+        stream = "copy" if name in self.COPY else "compute"
+        if self.current is not None and (name in self.where or stream in self.where):
+            ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record()
             self.current[(name, j)] = ev
 
@@ -42,7 +48,8 @@ def instrument(llm: LLM, marks: Marks) -> None:
     host_load, wait_loaded, finish_layer = s.host.load, s.wait_loaded, s.finish_layer
     begin_step, end_step, launch = s.begin_step, s.end_step, runner.launch
     def timed_load(j, runs, slot):  # on the copy stream, after its wait for the slot
-        k = sum(name == "load_start" for name, _ in marks.current or {})  # loads run in order
+        marks.loads += 1  # loads run in order
+        k = marks.loads
         marks.mark("load_start", k)
         host_load(j, runs, slot)
         marks.mark("load_end", k)
@@ -65,10 +72,11 @@ def instrument(llm: LLM, marks: Marks) -> None:
 
     def timed_launch(batch, in_flight):  # a decode step's work is all queued in here
         marks.current = {} if marks.on else None
+        marks.loads = -1
         marks.mark("launch")
         out = launch(batch, in_flight)
         marks.mark("sampled")
-        if marks.current is not None:
+        if marks.current is not None and marks.timing and marks.where == ("copy", "compute"):
             marks.steps.append(marks.current)
         marks.current = None
         return out
@@ -120,6 +128,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--num-kv-buffers", default="2,3,4")
+    ap.add_argument("--variants", default="none,all",
+                    help="runs per engine, in turn: none (no marks), all, copy or compute (the "
+                         "marks on that stream only) or mark names joined by '+', with "
+                         "'-untimed': events without timing; 'timed-sync': no marks, the "
+                         "streamer's own events made timing events")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the variants")
     args = ap.parse_args()
     for slots in map(int, args.num_kv_buffers.split(",")):
         llm = LLM(args.model, dummy_weights=True, progress=False, enable_offload=True,
@@ -132,19 +146,33 @@ def main() -> None:
         ids = torch.randint(0, llm.engine.model_config.vocab_size, (args.input_len,),
                             generator=torch.Generator().manual_seed(0)).tolist()
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        for on in (False, True):
-            engine.add_request(ids, params)
-            while not any(q.num_output_tokens for q in engine.scheduler.running):
-                engine.step()
-            marks.on, walls = on, []
-            while engine.has_unfinished():
-                a = time.perf_counter()
-                engine.step()
-                walls.append(time.perf_counter() - a)
-            marks.on = False
-            print(f"slots {slots}, {'events' if on else 'plain'}: step wall "
-                  f"{statistics.median(walls) * 1e3:.3f} ms")
-        report(marks, s.num_streamed, s.bytes_loaded / s.num_streamed)
+        walls = defaultdict(list)
+        for _ in range(args.repeat):
+            for variant in args.variants.split(","):
+                engine.add_request(ids, params)
+                while not any(q.num_output_tokens for q in engine.scheduler.running):
+                    engine.step()
+                where = variant.removesuffix("-untimed")
+                marks.on = where not in ("none", "timed-sync")
+                marks.where = ("copy", "compute") if where == "all" else tuple(where.split("+"))
+                timed = where == "timed-sync"
+                if s.cuda:
+                    s.load_done = [torch.cuda.Event(enable_timing=timed) for _ in s.load_done]
+                    s.compute_done = [torch.cuda.Event(enable_timing=timed)
+                                      for _ in s.compute_done]
+                marks.timing = not variant.endswith("-untimed")
+                steps = []
+                while engine.has_unfinished():
+                    a = time.perf_counter()
+                    engine.step()
+                    steps.append(time.perf_counter() - a)
+                marks.on = False
+                walls[variant].append(statistics.median(steps) * 1e3)
+        for variant, ms in walls.items():
+            print(f"slots {slots}, marks {variant}: step wall (median per run) " +
+                  " ".join(f"{t:.3f}" for t in ms) + " ms")
+        if marks.steps:
+            report(marks, s.num_streamed, s.bytes_loaded / s.num_streamed)
         del llm, engine, s
         torch.cuda.empty_cache()
 
