@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
@@ -69,8 +69,13 @@ for w in $what; do
         done
       done
       rm -f "$OUT"/*/bench.png ;;  # the rows are in bench.json; fewer files come back
-    h2d)  # issue 17: PCIe copies alone and beside decode's GEMVs (offloaded decode's overlap)
-      run python3 tools/bench_h2d_contention.py 2>&1 | tee "$OUT/h2d.log" ;;
+    h2d)  # issue 17: PCIe copies alone and beside decode's GEMVs (offloaded decode's overlap),
+          # and offloaded decode's own load pattern
+      run python3 tools/bench_h2d_contention.py 2>&1 | tee "$OUT/h2d.log"
+      run python3 tools/bench_h2d_contention.py --layer-loads 2>&1 | tee -a "$OUT/h2d.log" ;;
+    link)  # issue 17: offloaded decode's link and compute timelines at 4K, from CUDA events
+      run python3 tools/link_timeline.py ${LINK_ARGS:---num-kv-buffers 2,3} 2>&1 \
+        | grep -v "it/s\]" | tee "$OUT/link.log" ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
              --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
     fp8)  # issue 13: FP8 KV tests, accuracy, the 32K needle in three modes, the bench, 512K
