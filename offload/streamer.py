@@ -60,7 +60,7 @@ class LayerStreamer:
             self.copy_stream = torch.cuda.Stream(device)
             # Timing events, though nothing reads their times: with events created without
             # timing, offloaded decode at 4K took 12.02 ms a step against 11.46 ms (H200,
-            # every layer streamed; tools/link_timeline.py --variants none,timed-sync). A
+            # every layer streamed; tools/link_timeline.py --variants untimed-sync,none). A
             # timing event recorded on the compute stream beside each layer does as much.
             self.load_done = [torch.cuda.Event(enable_timing=True) for _ in range(self.num_slots)]
             self.compute_done = [torch.cuda.Event(enable_timing=True)

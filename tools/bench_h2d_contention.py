@@ -59,8 +59,7 @@ def huge_page_pinned(nbytes: int) -> torch.Tensor:
     t.fill_(0)
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
     assert int(err) == 0, f"cudaHostRegister failed: {err}"
-    t._keep = m  # the mapping lives as long as the view
-    return t
+    return t  # holds the mapping (torch.frombuffer keeps its buffer alive)
 
 
 def layer_loads(layers: int = 36, mb: int = 8, reps: int = 3) -> None:
@@ -101,6 +100,8 @@ def layer_loads(layers: int = 36, mb: int = 8, reps: int = 3) -> None:
             ms = sorted(times[1:])[reps // 2]
             print(f"  {name:<10} {pattern:<26}: {nbytes / ms / 1e6:.1f} GB/s "
                   f"({ms / layers * 1e3:.0f} us a layer)", flush=True)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(stores["huge pages"].data_ptr())
 
 
 def main() -> None:

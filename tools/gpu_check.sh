@@ -4,6 +4,8 @@
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
+# Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; REPS and
+# DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
