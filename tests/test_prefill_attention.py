@@ -10,8 +10,11 @@ from conftest import GPU_SHAPE, make_hf_model, random_prompts
 from helpers import engine_prefill_logits, make_llm
 
 from nanoserve.attention.prefill import (
+    causal_plan_lengths,
     chunk_attention,
     merge_partials,
+    pad_queries,
+    padded_rows,
     paged_prefill,
     use_varlen,
     varlen_prefill,
@@ -59,6 +62,47 @@ def test_chunk_attention_cpu_matches_float64(t, p, heads, kv_heads, route):
     out = chunk_attention(q, k[p:], v[p:], k[:p], v[:p], 0.25)
     err = (out.double() - reference(q, k, v, p, 0.25)).abs().max().item()
     assert err < 1e-5, err
+
+
+def test_padded_rows_bounds_the_plan_shapes():
+    """cuDNN plans are built per shape: every length maps to a padded length at most a quarter
+    (or 32 rows) longer, padded lengths map to themselves, and 1..8192 tokens take 28 shapes."""
+    assert [padded_rows(t) for t in (1, 32, 33, 100, 129, 1000, 3000, 5000, 8191, 8192)] == \
+        [32, 32, 64, 128, 160, 1024, 3072, 5120, 8192, 8192]
+    for t in range(1, 20000):
+        p = padded_rows(t)
+        assert t <= p < t + max(32, t / 4) and padded_rows(p) == p, t
+    assert len({padded_rows(t) for t in range(1, 8193)}) == 28
+
+
+@pytest.mark.parametrize("max_tokens", [1, 31, 33, 1000, 8192, 10000])
+def test_the_plans_built_at_start_cover_every_chunk_length(max_tokens):
+    assert causal_plan_lengths(max_tokens) == \
+        sorted({padded_rows(t) for t in range(1, max_tokens + 1)})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("t", [1, 33, 100, 129, 300])
+def test_padded_queries_leave_the_real_rows_exact(causal, t):
+    """The real queries' attention over the padded inputs equals theirs over the real ones
+    (float64): padding rows come after them, and causal from the top left hides the padded keys
+    from every real query."""
+    s = t if causal else 50
+    q, k, v = random_qkv(t, s - t, 4, 2, 8, torch.float64, "cpu", t)
+
+    def attend(q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.einsum("thd,shd->hts", q, k)
+        if causal:
+            visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+            scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+    qp, kp, vp = pad_queries(q, k, v, causal)
+    assert qp.shape[0] == padded_rows(t) and kp.shape[0] == (padded_rows(t) if causal else s)
+    assert torch.equal(qp[:t], q) and torch.equal(kp[:s], k) and torch.equal(vp[:s], v)
+    assert (attend(qp, kp, vp)[:t] - attend(q, k, v)).abs().max() < 1e-12
 
 
 def test_merge_of_two_halves_is_order_free_and_exact():

@@ -31,6 +31,12 @@ class AttentionBackend(ABC):
         are prepared one by one (ForwardContext.prepared_parts)."""
         return None
 
+    def build_prefill_plans(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                            dtype: torch.dtype, device: torch.device, max_tokens: int,
+                            progress: bool) -> None:
+        """Whatever prefill builds per shape, built at start for chunks of up to max_tokens."""
+        return None
+
     def prepare_capture(self, ctx: ForwardContext, bs: int) -> None:
         self.prepare(ctx)
 

@@ -78,7 +78,7 @@ class ModelRunner:
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
         if self.device.type == "cuda":
-            self._compile_prefill_kernels(spec)
+            self._compile_prefill_kernels(spec, progress)
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and \
                 self.backend.supports_graphs:
@@ -86,11 +86,15 @@ class ModelRunner:
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
 
-    def _compile_prefill_kernels(self, spec: KVSpec) -> None:
+    def _compile_prefill_kernels(self, spec: KVSpec, progress: bool) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
-        now, not in the first request that has a cached prefix (the other fused kernels
-        compile in the memory-profiling prefill and graph capture)."""
+        and builds the prefill attention's plans now, not in the first requests that need
+        them (the other fused kernels compile in the memory-profiling prefill and graph
+        capture)."""
         heads = self.model.attention_layers[0].num_heads
+        self.backend.build_prefill_plans(heads, spec.num_kv_heads, self.mcfg.head_dim,
+                                         self.dtype, self.device,
+                                         self.cfg.max_num_batched_tokens, progress)
         o = torch.zeros(2, heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
         lse = torch.zeros(2, heads, device=self.device)
