@@ -87,8 +87,10 @@ def test_padded_queries_leave_the_real_rows_exact(causal, t):
     """The real queries' attention over the padded inputs equals theirs over the real ones
     (float64): padding rows come after them, and causal from the top left hides the padded keys
     from every real query."""
-    s = t if causal else 50
-    q, k, v = random_qkv(t, s - t, 4, 2, 8, torch.float64, "cpu", t)
+    s = t if causal else 50  # keys: the chunk's own (causal) or a prefix's
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(t, 4, 8, dtype=torch.float64, generator=g)
+    k, v = torch.randn(2, s, 2, 8, dtype=torch.float64, generator=g)
 
     def attend(q, k, v):
         rep = q.shape[1] // k.shape[1]
@@ -103,6 +105,30 @@ def test_padded_queries_leave_the_real_rows_exact(causal, t):
     assert qp.shape[0] == padded_rows(t) and kp.shape[0] == (padded_rows(t) if causal else s)
     assert torch.equal(qp[:t], q) and torch.equal(kp[:s], k) and torch.equal(vp[:s], v)
     assert (attend(qp, kp, vp)[:t] - attend(q, k, v)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("t", [64, 100])  # already a padded length, and padded
+def test_padded_queries_come_back_contiguous(t):
+    """cuDNN's plans are keyed by strides too: q, k, v reach it contiguous, as they do when the
+    plans are built at start, even when v is a view into a wider projection."""
+    qkv = torch.randn(t, 12 * 8)
+    q, k, v = qkv[:, :64].view(t, 8, 8), qkv[:, 64:80].view(t, 2, 8), qkv[:, 80:].view(t, 2, 8)
+    assert not v.is_contiguous()
+    for x in pad_queries(q, k, v, True):
+        assert x.is_contiguous() and x.shape[0] == padded_rows(t)
+
+
+def test_prefill_plans_cover_chunks_up_to_the_step_or_the_model_length(monkeypatch):
+    """The engine builds plans for chunks as long as a step can hold: max_num_batched_tokens,
+    or max_model_len when shorter; with the layer's (this rank's) head counts."""
+    llm = make_llm(None, max_model_len=300)
+    runner = llm.engine.runner
+    seen = []
+    monkeypatch.setattr(runner.backend, "build_prefill_plans", lambda *a: seen.append(a))
+    runner.build_prefill_plans()
+    attn = runner.model.attention_layers[0]
+    assert seen == [(attn.num_heads, attn.num_kv_heads, runner.mcfg.head_dim, torch.float32,
+                     torch.device("cpu"), 300, False)]
 
 
 def test_merge_of_two_halves_is_order_free_and_exact():

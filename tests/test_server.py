@@ -416,6 +416,25 @@ def test_serve_command_shuts_down_cleanly_on_sigterm():
         proc.kill()
 
 
+def test_the_engine_thread_builds_its_per_thread_state_first():
+    """cuDNN's plans are cached per thread: the loop's own thread builds them before its first
+    step (LLMEngine.prepare_thread), then serves."""
+    llm = LLM(progress=False, **ENGINE)
+    ref = greedy(llm, PROMPT, 8, ignore_eos=True).text
+    built = []
+    llm.engine.runner.build_prefill_plans = \
+        lambda progress=False: built.append(threading.current_thread().name)
+    srv = ServerThread(build_app(AsyncEngine(llm.engine), NAME))
+    try:
+        r = httpx.post(srv.url + "/v1/completions",
+                       json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+        assert built == ["nanoserve-engine"]
+    finally:
+        srv.stop()
+
+
 def test_engine_failure_fails_requests_and_reports_unhealthy():
     """A device failure kills the engine loop: requests fail with 500, /health turns 503, new
     requests get 503."""

@@ -12,7 +12,9 @@ SDPA with the bottom-right causal mask instead (FA2 or the memory-efficient kern
 a short question after a long cached document, say. A fresh prompt's causal attention goes to
 cuDNN either way (SDPA picks it too). Its queries are padded to one of four lengths per octave
 (`padded_rows`), so that prompts of every length share a few dozen plans rather than building
-one each, and the engine builds those at start (`build_causal_plans`).
+one each, and the engine builds those at start (`build_causal_plans`). torch keys a plan by
+shapes and strides (cuDNN gets contiguous q, k, v, as at start) and caches it per thread: the
+thread that runs the engine's steps builds them (LLMEngine.prepare_thread).
 
 A step of many short fresh prompts (no prefix) goes through one FA2 varlen call instead of a
 call per prompt: 2.3x faster at 16 x 512 tokens, where each per-prompt call fills few SMs.
@@ -45,7 +47,8 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 def padded_rows(t: int) -> int:
     """t rounded up to a multiple of a quarter of its octave (at least 32): 1000 -> 1024, 3000
-    -> 3072, 5000 -> 5120; 8192 stays. At most 25% more rows, four plan shapes per octave."""
+    -> 3072, 5000 -> 5120; 8192 stays. From 128 tokens on at most 25% more rows (a causal
+    attention's work grows by up to 1.56x: 4097 -> 5120), four plan shapes per octave."""
     step = 1 << max(5, t.bit_length() - 3)
     return -(-t // step) * step
 
@@ -55,10 +58,10 @@ def pad_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """Zero rows after the T real queries, up to padded_rows(T), and as many after the keys when
     causal (T == S). A real query i sees exactly what it saw: causal from the top left, keys 0
     to i are all real; without a mask, the keys are untouched. The padding rows' outputs are
-    dropped."""
+    dropped. All three come back contiguous (v is a view into the qkv projection)."""
     extra = padded_rows(q.shape[0]) - q.shape[0]
     if extra == 0:
-        return q, k, v
+        return q.contiguous(), k.contiguous(), v.contiguous()
     pad = (0, 0, 0, 0, 0, extra)
     if causal:
         k, v = F.pad(k, pad), F.pad(v, pad)
@@ -76,9 +79,10 @@ def causal_plan_lengths(max_tokens: int) -> list[int]:
 
 def build_causal_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        device: torch.device, max_tokens: int, progress: bool = True) -> None:
-    """Builds cuDNN's plan for every padded length a fresh prompt's chunk of up to max_tokens
-    can take (28 lengths up to 8192 tokens, ~2 s on an H200), so that no request pays one.
-    Nothing to build where attention_with_lse does not use cuDNN."""
+    """Builds, on this thread, cuDNN's plan for every padded length a fresh prompt's chunk of
+    up to max_tokens can take (28 lengths up to 8192 tokens, 45-85 ms each on an H200), so
+    that no fresh chunk run on this thread pays one. Nothing to build where attention_with_lse
+    does not use cuDNN."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return
     lengths = causal_plan_lengths(max_tokens)
@@ -131,7 +135,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix:
     if p == 0:
         return o
     op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale)
-    return merge_partials(op, lsep.t(), o, lse.t())
+    # contiguous [T, H], the layout the merge was compiled for at start (a strided one would
+    # compile it again inside a request)
+    return merge_partials(op, lsep.t().contiguous(), o, lse.t().contiguous())
 
 
 def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -296,6 +296,12 @@ class LLMEngine:
         if self._launched is not None and all(s.is_finished for s in self._launched.batch.seqs):
             self._launched = None  # nothing left to read from it
 
+    def prepare_thread(self) -> None:
+        """For a thread other than the one that built the engine, before it runs steps: builds
+        what is cached per thread (cuDNN's prefill attention plans, ModelRunner), so its first
+        requests do not pay for it."""
+        self.runner.build_prefill_plans()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None
 

@@ -78,7 +78,8 @@ class ModelRunner:
                                        self.kv.tail_row if streaming else None)
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
         if self.device.type == "cuda":
-            self._compile_prefill_kernels(spec, progress)
+            self._compile_prefill_kernels(spec)
+            self.build_prefill_plans(progress)
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and \
                 self.backend.supports_graphs:
@@ -86,15 +87,11 @@ class ModelRunner:
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
 
-    def _compile_prefill_kernels(self, spec: KVSpec, progress: bool) -> None:
+    def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
-        and builds the prefill attention's plans now, not in the first requests that need
-        them (the other fused kernels compile in the memory-profiling prefill and graph
-        capture)."""
+        now, not in the first request that has a cached prefix (the other fused kernels
+        compile in the memory-profiling prefill and graph capture)."""
         heads = self.model.attention_layers[0].num_heads
-        self.backend.build_prefill_plans(heads, spec.num_kv_heads, self.mcfg.head_dim,
-                                         self.dtype, self.device,
-                                         self.cfg.max_num_batched_tokens, progress)
         o = torch.zeros(2, heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
         lse = torch.zeros(2, heads, device=self.device)
@@ -105,6 +102,14 @@ class ModelRunner:
                                      device=self.device)
                 dequantize(values, torch.ones(n, spec.num_kv_heads, device=self.device),
                            self.dtype)
+
+    def build_prefill_plans(self, progress: bool = False) -> None:
+        """Builds what the attention backend's prefill builds per shape (cuDNN's plans, cached
+        per thread) on the calling thread, for every chunk a step can hold."""
+        attn = self.model.attention_layers[0]
+        self.backend.build_prefill_plans(
+            attn.num_heads, attn.num_kv_heads, self.mcfg.head_dim, self.dtype, self.device,
+            min(self.cfg.max_num_batched_tokens, self.max_model_len), progress)
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: drop its per-sequence sampling state."""

@@ -162,6 +162,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
+            self.engine.prepare_thread()  # requests that arrive meanwhile wait in the inbox
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
