@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -23,7 +23,7 @@ run() { echo "=== $*"; timeout -s ABRT "${STEP_TIMEOUT:-0}" "$@"; echo "=== rc=$
 B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
-    tests)  # one H200: 501 s at session 11's end (STEP_TIMEOUT=575, a call of its own)
+    tests)  # one H200: 461 s in session 12 (STEP_TIMEOUT=575, a call of its own)
       run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
@@ -75,6 +75,8 @@ for w in $what; do
           # and offloaded decode's own load pattern
       run python3 tools/bench_h2d_contention.py 2>&1 | tee "$OUT/h2d.log"
       run python3 tools/bench_h2d_contention.py --layer-loads 2>&1 | tee -a "$OUT/h2d.log" ;;
+    ttft)  # prompts of many new lengths in a fresh engine: what a new prefill shape costs
+      run python3 tools/ttft_lengths.py 2>&1 | grep -v "it/s\]" | tee "$OUT/ttft.log" | tail -4 ;;
     link)  # issue 17: offloaded decode's link and compute timelines at 4K, from CUDA events
       run python3 tools/link_timeline.py ${LINK_ARGS:---num-kv-buffers 2,3} 2>&1 \
         | grep -v "it/s\]" | tee "$OUT/link.log" ;;
