@@ -87,17 +87,8 @@ def layer_loads(layers: int = 36, mb: int = 8, reps: int = 3) -> None:
                     else:
                         dst[: mb << 20].copy_(src[0], non_blocking=True)
                         dst[mb << 20:].copy_(src[1], non_blocking=True)
-            times = []
-            for _ in range(reps + 1):
-                with torch.cuda.stream(stream):
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    cycle()
-                    end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = sorted(times[1:])[reps // 2]
+            with torch.cuda.stream(stream):  # median_ms times on the current stream
+                ms = median_ms(cycle, reps=reps)
             print(f"  {name:<10} {pattern:<26}: {nbytes / ms / 1e6:.1f} GB/s "
                   f"({ms / layers * 1e3:.0f} us a layer)", flush=True)
     torch.cuda.synchronize()

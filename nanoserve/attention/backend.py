@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from nanoserve.attention.prefill import read_kv
+from nanoserve.attention.prefill import build_causal_plans, read_kv
 from nanoserve.context import ForwardContext, get_context
 from nanoserve.kv import fp8
 
@@ -34,8 +34,10 @@ class AttentionBackend(ABC):
     def build_prefill_plans(self, num_heads: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype, device: torch.device, max_tokens: int,
                             progress: bool) -> None:
-        """Whatever prefill builds per shape, built at start for chunks of up to max_tokens."""
-        return None
+        """Whatever prefill builds per shape, built at start for chunks of up to max_tokens:
+        cuDNN's plans of the shared prefill path (attention/prefill.py)."""
+        build_causal_plans(num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
+                           progress)
 
     def prepare_capture(self, ctx: ForwardContext, bs: int) -> None:
         self.prepare(ctx)

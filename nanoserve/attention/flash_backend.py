@@ -37,6 +37,10 @@ class FlashBackend(AttentionBackend):
                                 dtype=torch.int32).to(dev, non_blocking=True)
             ctx.attn_meta = FlashPrefillMetadata(cu_q, cu_k, max(ctx.query_lens), max(kv_lens))
 
+    def build_prefill_plans(self, num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
+                            progress):
+        """flash-attn's prefill builds nothing per shape."""
+
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         m = ctx.attn_meta
         cu_q, cu_k, max_q, max_k = m.cu_q, m.cu_k, m.max_q, m.max_k

@@ -6,17 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.attention.backend import AttentionBackend
-from nanoserve.attention.prefill import build_causal_plans, gather_kv, paged_prefill
+from nanoserve.attention.prefill import gather_kv, paged_prefill
 from nanoserve.context import ForwardContext
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
-
-    def build_prefill_plans(self, num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
-                            progress):
-        build_causal_plans(num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
-                           progress)
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         return paged_prefill(q, k, v, layer, ctx)

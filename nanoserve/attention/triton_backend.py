@@ -10,12 +10,7 @@ import torch
 
 from nanoserve import fused
 from nanoserve.attention.backend import AttentionBackend
-from nanoserve.attention.prefill import (
-    build_causal_plans,
-    paged_prefill,
-    use_varlen,
-    varlen_prefill,
-)
+from nanoserve.attention.prefill import paged_prefill, use_varlen, varlen_prefill
 from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
 from nanoserve.attention.triton_rope_store import rope_and_store
 from nanoserve.context import AttentionMetadata, ForwardContext
@@ -67,11 +62,6 @@ class TritonBackend(AttentionBackend):
             q, k, v, layer.rotary[0].cos_sin, positions,
             None if norm is None else (norm[0].weight, norm[1].weight, norm[0].eps),
             layer.k_cache, layer.v_cache, slot_mapping)
-
-    def build_prefill_plans(self, num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
-                            progress):
-        build_causal_plans(num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
-                           progress)
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         m = ctx.attn_meta
