@@ -158,10 +158,12 @@ def test_the_worker_dies_with_rank_0_however_rank_0_ends(tmp_path, sig):
 
 def test_the_cli_runs_tensor_parallel():
     """`python -m nanoserve` imports its main module in the spawned worker too: the command
-    must run once, not once per rank."""
+    must run once, not once per rank, and exit clean."""
     r = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--device", "cpu",
                         "--tensor-parallel-size", "2", "--input-len", "64", "--output-len",
                         "4"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("requests 1  prompt tokens 64  output tokens 4") == 1, r.stdout
+    # a worker leaves nothing behind: no semaphore for the resource tracker to report
+    assert "leaked" not in r.stderr, r.stderr[-2000:]

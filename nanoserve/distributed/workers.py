@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from nanoserve.distributed.parallel_state import abort_tp, destroy_tp, init_tp
 
@@ -169,6 +170,9 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
     if hang_s := os.environ.get("NANOSERVE_TP_HANG_DUMP_S"):  # diagnostics: a hang's stacks
         faulthandler.dump_traceback_later(float(hang_s), exit=False)
     logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
+    # tqdm's default lock is a named semaphore, which this process's os._exit would leave for
+    # the resource tracker to report as leaked; a worker's bars are disabled anyway
+    tqdm.set_lock(threading.RLock())
     from nanoserve.engine.model_runner import ModelRunner
     from nanoserve.models.loader import load_model
 
