@@ -207,3 +207,12 @@ def test_tp_rows_count_every_ranks_bytes_against_the_gpus_bandwidth_together(cap
     assert "host->device, GPUs copying at once: 2 GPUs 4.0 GB/s together" in out
     assert (f"  offload-eager   ctx    600 bs  2 TP=2: TPOT {two['tpot_vs_tp1']:.3f}x, TTFT "
             f"{two['ttft_vs_tp1']:.3f}x") in out
+
+
+def test_the_aggregate_link_ceiling_is_the_best_round_over_its_slowest_rank():
+    """A round with a late rank (1.25 s) is not the ceiling; the best round's slowest rank
+    (1.0 s for 2 ranks x 10 GB) is: 20 GB/s."""
+    from bench_offload import best_aggregate_gbps
+
+    rounds = [[1.25, 0.5], [0.9, 1.0], [1.1, 1.1]]
+    assert best_aggregate_gbps(rounds, 10 * 10**9) == pytest.approx(20.0)
