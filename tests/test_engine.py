@@ -46,6 +46,25 @@ def test_no_page_leaks_after_all_requests_finish(qwen3_dir):
     assert not llm.engine.sequences
 
 
+def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
+    """The start-up warm-up (run on CUDA engines) runs one prompt step per warm-up length,
+    capped by the chunk budget, returns every page, and changes no later request's tokens."""
+    from nanoserve.engine.model_runner import WARM_UP_PROMPT_LENGTHS
+
+    prompts = random_prompts(2, [13, 30], seed=5)
+    cold = make_llm(qwen3_dir, max_num_batched_tokens=128)
+    expected = tokens(cold.generate(prompts, GREEDY))
+    llm = make_llm(qwen3_dir, max_num_batched_tokens=128)
+    runner = llm.engine.runner
+    steps = []
+    run = runner.run
+    runner.run = lambda batch: steps.append(batch.num_new_tokens) or run(batch)
+    runner.warm_up_prompts()
+    assert steps == [[min(n, 128)] for n in WARM_UP_PROMPT_LENGTHS]
+    assert llm.engine.kv.num_free == llm.engine.kv.capacity
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+
+
 def test_preemption_and_recompute_give_the_same_tokens(qwen3_dir):
     prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

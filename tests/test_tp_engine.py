@@ -73,6 +73,8 @@ def test_the_embedded_model_runs_at_tp2_with_its_padded_vocabulary():
     ref = make_llm(None).generate(prompts, GREEDY)
     llm = make_llm(None, tensor_parallel_size=2)
     procs = llm.engine.workers.procs
+    llm.engine.runner.warm_up_prompts()  # CUDA engines' start-up steps reach the workers too
+    assert llm.engine.kv.num_free == llm.engine.kv.capacity
     out = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     del llm, out

@@ -93,6 +93,8 @@ class LLMEngine:
         runner = ModelRunner(cfg, model, self.max_model_len, progress, self.workers)
         if self.workers is not None:
             self.workers.wait_ready()
+        if runner.device.type == "cuda":  # the CPU compiles nothing (fused kernels are CUDA's)
+            runner.warm_up_prompts()
         return runner
 
     @property
