@@ -94,7 +94,8 @@ class ModelRunner:
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
         now, not in the first request that has a cached prefix (the other fused kernels
-        compile in the memory-profiling prefill and graph capture)."""
+        compile in graph capture and in the engine's warm-up prompts, warm_up_prompts, which
+        have no prefix)."""
         heads = self.model.attention_layers[0].num_heads
         o = torch.zeros(2, heads, self.mcfg.head_dim, dtype=self.dtype,
                         device=self.device)
@@ -117,6 +118,8 @@ class ModelRunner:
         Under TP it runs on rank 0 after the workers are ready: its steps reach them as any
         step does."""
         n_max = min(self.cfg.max_num_batched_tokens, self.max_model_len - 1)
+        if n_max < 1:  # no prompt fits beside its first token
+            return
         greedy = SamplingParams(temperature=0.0, max_tokens=1)
         sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
         for i, n in enumerate(WARM_UP_PROMPT_LENGTHS):
