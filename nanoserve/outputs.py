@@ -32,6 +32,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)  # n of them, by index
     error: str | None = None  # the request was refused: no outputs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing
+    # precedes it); each the token's logprob given the tokens before it, and the top k there
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None  # mean time per output token after the first
 

@@ -58,6 +58,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # as transformers and vLLM: over prompt and output tokens
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k alternatives'
+    # None: none; k: each prompt token's logprob (given the tokens before it) and the top k
+    # alternatives at its position, computed in the prefill (vLLM's name)
+    prompt_logprobs: int | None = None
     max_tokens: int = 64
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
@@ -82,6 +85,8 @@ class SamplingParams:
         set_(self, "logit_bias", _check_logit_bias(self.logit_bias))
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_int("max_tokens", self.max_tokens, 1)
         if self.seed is not None:
             _check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)

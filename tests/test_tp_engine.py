@@ -169,3 +169,17 @@ def test_the_cli_runs_tensor_parallel():
     assert r.stdout.count("requests 1  prompt tokens 64  output tokens 4") == 1, r.stdout
     # a worker leaves nothing behind: no semaphore for the resource tracker to report
     assert "leaked" not in r.stderr, r.stderr[-2000:]
+
+
+def test_tp2_prompt_logprobs_equal_tp1(qwen3_dir):
+    """Scoring runs the head over the scored rows on every rank (its all-gather pairs up)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    ref = make_llm(qwen3_dir, max_num_batched_tokens=16).generate(PROMPTS[:2], params)
+    with make_llm(qwen3_dir, tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(PROMPTS[:2], params)
+    for out, want in zip(outs, ref, strict=True):
+        assert len(out.prompt_logprobs) == len(want.prompt_logprobs)
+        for got, exp in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert got.token_id == exp.token_id and [i for i, _ in got.top] == \
+                [i for i, _ in exp.top]
+            assert abs(got.logprob - exp.logprob) < 1e-4

@@ -15,7 +15,8 @@ from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
-from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
+from nanoserve.engine.prompt_logprobs import PromptScores, split_scores
+from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device, to_host
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
@@ -26,6 +27,7 @@ from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
+from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -184,7 +186,9 @@ class ModelRunner:
         n = len(batch.seqs)
         graphs = self._graphs_for(batch.is_prefill, n)
         step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None)
-        logits = self._forward_everywhere(step)
+        logits, inputs = self._forward_everywhere(step)
+        if inputs.prompt_scores is not None:
+            batch.prompt_logprobs = self._prompt_logprobs(step, inputs.prompt_scores, batch)
         seqs = [s for s, yes in zip(batch.seqs, step.samples, strict=True) if yes]
         if not seqs:
             return [None] * n
@@ -198,14 +202,26 @@ class ModelRunner:
         batch.logprobs = [next(logprobs) if yes else None for yes in step.samples]
         return [next(tokens) if yes else None for yes in step.samples]
 
+    @staticmethod
+    def _prompt_logprobs(step: HostStep, scores: PromptScores, batch: Batch
+                         ) -> list[list[TokenLogprobs]]:
+        """The scored prompt tokens' logprobs per sequence (reads them: one synchronization,
+        in a prefill step, which reads its sampled tokens anyway)."""
+        host = PromptScores(*to_host(scores.logprobs, scores.top_logprobs, scores.top_ids))
+        return split_scores(host, step.arrays["score_ids"].tolist(), step.score_counts,
+                            [s.params.prompt_logprobs for s in batch.seqs])
+
     def _forward_everywhere(self, step: HostStep, in_flight: InFlightTokens | None = None
-                            ) -> torch.Tensor:
-        """The step's forward here, and under TP on every worker (sent first)."""
+                            ) -> tuple[torch.Tensor, StepInputs]:
+        """The step's forward here, and under TP on every worker (sent first): its logits, and
+        its inputs with what the forward set in them (prompt scores)."""
         if self.peers is None:
-            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
+            inputs = step.to_device(self.device, self.inputs.pin, in_flight)
+            return self.forward(inputs), inputs
         self.peers.send(step)
         try:
-            return self.forward(step.to_device(self.device, self.inputs.pin, in_flight))
+            inputs = step.to_device(self.device, self.inputs.pin, in_flight)
+            return self.forward(inputs), inputs
         except Exception as e:  # the workers run theirs: the ranks are out of step for good
             raise TensorParallelFailure(f"a step failed on rank 0 after its workers took it: "
                                         f"{type(e).__name__}: {e}") from e
@@ -232,7 +248,7 @@ class ModelRunner:
         step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None,
                                 in_flight.rows if in_flight is not None else None)
         step.shares_tokens = self.peers is not None
-        logits = self._forward_everywhere(step, in_flight)
+        logits, _ = self._forward_everywhere(step, in_flight)
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         positions = [s.num_tokens + s.num_pending for s in batch.seqs]
         t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
@@ -271,7 +287,10 @@ class ModelRunner:
         ctx = inputs.context()
         for part in ctx.prepared_parts():
             self.backend.prepare(part)
-        state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows)
+        score = None if inputs.score_rows is None else \
+            (inputs.score_rows, inputs.score_ids, inputs.score_k)
+        state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows, score=score)
         with forward_context(ctx):
             self.executor.run(self.executor.segments(state), inputs.offload)
+        inputs.prompt_scores = state.scores
         return state.logits

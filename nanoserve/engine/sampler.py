@@ -280,7 +280,7 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None] | None  # per row, when some row asked for them
 
 
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Copies to the host behind one synchronization."""
     if not tensors or tensors[0].device.type == "cpu":
         return list(tensors)
@@ -320,16 +320,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors | None,
     """logits: [B, V] float32 of the rows that sample this step, on any device. t=None: every
     row is plain greedy. key_dtype: a dtype that holds the logits exactly (the model's)."""
     if t is None:
-        (tokens,) = _to_host(logits.argmax(-1))
+        (tokens,) = to_host(logits.argmax(-1))
         return SampleOutput(tokens.tolist(), None)
     tokens = _draw_tokens(logits, t, key_dtype)
     if t.num_logprobs < 0:
-        (tokens,) = _to_host(tokens)
+        (tokens,) = to_host(tokens)
         return SampleOutput(tokens.tolist(), None)
     logprobs = logits.log_softmax(-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_values, top_ids = logprobs.topk(max(t.num_logprobs, 1), dim=-1)
-    tokens, chosen, top_values, top_ids = _to_host(tokens, chosen, top_values, top_ids)
+    tokens, chosen, top_values, top_ids = to_host(tokens, chosen, top_values, top_ids)
     token_list = tokens.tolist()
     rows = zip(token_list, chosen.tolist(), top_values.tolist(), top_ids.tolist(), t.logprobs,
                strict=True)

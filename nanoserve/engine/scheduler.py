@@ -36,6 +36,8 @@ class Batch:
     num_decode: int = 0  # a mixed step's first seqs decode (one token each); the rest prefill
     # set by the model runner: per sequence, the sampled token's logprobs where asked for
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # set by the model runner: per sequence, the prompt tokens' logprobs this step computed
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -105,10 +107,13 @@ class Scheduler:
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
             if not seq.prefilling:
-                self.kv.reuse_prefix(seq)
+                # a prompt being scored is computed whole: logprobs need every position's
+                # hidden state, which cached pages do not keep (its own pages are still cached)
+                if not seq.scores_prompt:
+                    self.kv.reuse_prefix(seq)
                 # another prefill is computing the page it needs next: reuse it next step
                 # (only sequences that have not started wait, so no two wait for each other)
-                if self.kv.next_page_key(seq) in claimed:
+                if not seq.scores_prompt and self.kv.next_page_key(seq) in claimed:
                     break
                 if not self._fits_beside_decodes(seq):
                     break
@@ -205,12 +210,15 @@ class Scheduler:
         finished = []
         now = time.perf_counter()
         logprobs = batch.logprobs or [None] * len(batch.seqs)
-        for seq, n, tok, lp in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs,
-                                   strict=True):
+        scored = batch.prompt_logprobs or [[]] * len(batch.seqs)
+        for seq, n, tok, lp, prompt_lps in zip(batch.seqs, batch.num_new_tokens, tokens,
+                                               logprobs, scored, strict=True):
             if seq.is_finished:
                 continue  # it stopped in the step before, read back after this one launched
             seq.num_cached += n
             self.kv.cache_full_pages(seq)
+            if prompt_lps:
+                seq.prompt_logprobs += prompt_lps
             if tok is None:
                 continue  # a prompt chunk that did not reach the prompt's end
             if seq.logprobs is not None and lp is not None:

@@ -44,6 +44,9 @@ class Sequence:
         self.error: str | None = None  # why finish_reason is "error"
         self.output_text: str | None = None  # set when a stop string cut the text
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # one entry per prompt token scored so far; the first token has no logprob (None)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # queue time ends here
         self.first_token_time: float | None = None
@@ -61,6 +64,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Some prompt token still needs its logprob: its prefill must compute every prompt
+        position itself (the prefix cache keeps KV, not the hidden states logprobs come from)."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanoserve.engine.prompt_logprobs import PromptScores, score_rows
 from offload import LayerStreamer, StepPlan
 
 Segment = Callable[[], None]
@@ -28,14 +29,19 @@ Segment = Callable[[], None]
 
 class StepState:
     """A step's tensors as the segments pass them on: the residual stream (`hidden`) and the
-    last layer's MLP output not yet added to it (`delta`), then the logits. The buffers given
-    are the fixed ones a captured graph writes into; None (eager) lets each segment allocate."""
+    last layer's MLP output not yet added to it (`delta`), then the logits (and, for prompt
+    rows being scored, their PromptScores). The buffers given are the fixed ones a captured
+    graph writes into; None (eager) lets each segment allocate."""
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  sample_rows: torch.Tensor | None = None,
                  hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 logits: torch.Tensor | None = None) -> None:
+                 logits: torch.Tensor | None = None,
+                 score: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+        """score: hidden rows to score, the prompt token after each, top-k (prefill)."""
         self.input_ids, self.positions, self.sample_rows = input_ids, positions, sample_rows
+        self.score = score
+        self.scores: PromptScores | None = None
         self._hidden_bufs, self._logits_buf = hidden, logits
         self.hidden, self.delta = hidden if hidden is not None else (None, None)
         self.logits = logits
@@ -77,6 +83,8 @@ class StepExecutor:
 
         def logits_of_hidden() -> None:
             h, delta = state.hidden, state.delta
+            if state.score is not None:
+                state.scores = score_rows(self.model.head, h, delta, *state.score)
             if state.sample_rows is not None:
                 h, delta = h.index_select(0, state.sample_rows), \
                     delta.index_select(0, state.sample_rows)

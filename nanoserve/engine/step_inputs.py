@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from nanoserve.context import ForwardContext
+from nanoserve.engine.prompt_logprobs import PromptScores
 from nanoserve.engine.scheduler import Batch
 from nanoserve.kv.pages import DUMMY_PAGE
 from offload import StepPlan, coalesce_runs
@@ -32,10 +33,15 @@ class StepInputs:
     page_tables: torch.Tensor  # int32 [rows, width]
     context_lens: torch.Tensor | None = None  # int32 [rows], decode (a mixed step's decode rows)
     sample_rows: torch.Tensor | None = None  # int64: hidden rows to take logits of (prefill)
+    # prompt scoring (prefill): hidden rows whose next prompt token gets its logprob, those ids
+    score_rows: torch.Tensor | None = None  # int64 [scored]
+    score_ids: torch.Tensor | None = None  # int64 [scored]
     # on cpu
     query_lens: list[int] = field(default_factory=list)  # prefill
     prefix_lens: list[int] = field(default_factory=list)  # prefill
     offload: StepPlan | None = None  # what the streamer moves in this step
+    score_k: int = 0  # top alternatives per scored row
+    prompt_scores: PromptScores | None = None  # out: set by the eager forward when rows score
 
     def context(self) -> ForwardContext:
         ctx = ForwardContext(self.is_prefill, self.slot_mapping, self.page_tables,
@@ -97,6 +103,8 @@ class HostStep:
     load_runs: list[tuple[int, int]] = field(default_factory=list)
     store_runs: list[tuple[int, int]] = field(default_factory=list)
     flush_pages: list[int] = field(default_factory=list)
+    score_counts: list[int] = field(default_factory=list)  # prefill: rows scored per sequence
+    score_k: int = 0
     # async scheduling under TP: rank 0 sends this (launched) step's sampled ids to every rank
     shares_tokens: bool = False
     uses_in_flight: bool = False  # some rows take the previous launched step's ids
@@ -122,7 +130,13 @@ class HostStep:
                           t["ids"], t["pos"], t["slots"], t["table"], context_lens=t["lens"],
                           sample_rows=t["rows"] if self.is_prefill else None,
                           query_lens=self.query_lens, prefix_lens=self.prefix_lens,
-                          offload=plan)
+                          offload=plan, score_k=self.score_k,
+                          **self._score_tensors(t))
+
+    def _score_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not sum(self.score_counts):
+            return {}
+        return {"score_rows": t["score_rows"], "score_ids": t["score_ids"]}
 
 
 class StepInputBuilder:
@@ -162,9 +176,18 @@ class StepInputBuilder:
         ps = self.page_size
         ids, pos, slots, rows, samples = [], [], [], [], []
         load, store, init_pages, init_rows = [], [], [], []
+        score_rows, score_ids, score_counts = [], [], []
         num_tokens = 0
         for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start, end = s.num_cached, s.num_cached + n
+            # prompt tokens not scored yet whose predecessor is in this chunk (after a
+            # preemption the recomputed ones are scored once only)
+            lo, hi = (max(start, len(s.prompt_logprobs) - 1), min(end, s.num_prompt_tokens - 1)) \
+                if s.prompt_logprobs is not None else (0, 0)
+            score_counts.append(max(0, hi - lo))
+            if hi > lo:
+                score_rows.append(np.arange(lo, hi, dtype=np.int64) - start + num_tokens)
+                score_ids.append(np.asarray(s.token_ids[lo + 1:hi + 1], dtype=np.int64))
             p = np.arange(start, end, dtype=np.int64)
             ids.append(np.asarray(s.token_ids[start:end], dtype=np.int64))
             pos.append(p)
@@ -189,11 +212,17 @@ class StepInputBuilder:
                   "lens": np.array(decode_lens, np.int32),
                   "init_pages": np.array(init_pages, np.int64),
                   "init_rows": np.array(init_rows, np.int64)}
+        if score_rows:
+            arrays["score_rows"] = np.concatenate(score_rows)
+            arrays["score_ids"] = np.concatenate(score_ids)
         streamed = self.tail_row is not None
+        score_k = max((s.params.prompt_logprobs for s, c in zip(batch.seqs, score_counts,
+                                                                strict=True) if c), default=0)
         return HostStep(True, len(batch.seqs), batch.num_decode, samples, arrays,
                         list(batch.num_new_tokens), [s.num_cached for s in batch.seqs],
                         streamed, distinct_runs(load) if streamed else [],
-                        coalesce_runs(store) if streamed else [])
+                        coalesce_runs(store) if streamed else [],
+                        score_counts=score_counts, score_k=score_k)
 
     def _decode(self, batch: Batch, rows: int, in_flight_rows: dict[int, int]) -> HostStep:
         ps, n = self.page_size, len(batch.seqs)
