@@ -111,7 +111,7 @@ class LLM:
                                  s.finish_reason, s.logprobs, s.error) for s in group]
         return RequestOutput(first.token_ids[:first.num_prompt_tokens], outs,
                              num_cached_tokens=first.num_cached_tokens or 0, ttft_s=ttft,
-                             tpot_s=tpot)
+                             tpot_s=tpot, prompt_logprobs=first.prompt_logprobs)
 
 
 def _as_prompt_list(prompts) -> list:
