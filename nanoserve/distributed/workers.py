@@ -5,7 +5,8 @@ Rank 0 schedules, builds each step's inputs once on the host (a HostStep) and se
 pipe to every worker; then every rank uploads the same inputs and runs the same forward on its
 shard, the ranks meeting in the layers' all-reduces. Only rank 0 samples (every rank computes
 the gathered logits; the workers drop theirs). A worker's model runner is built by the same
-code as rank 0's, so the collectives of start-up (memory profiling, graph capture) pair up.
+code as rank 0's, so the collectives of start-up (memory profiling, graph capture) pair up:
+the engine hands TPWorkers the function that builds it (this package knows no engine).
 
 Lifetime: a worker exits when rank 0 says so, when its pipe closes, and when rank 0's process
 dies (the kernel's parent-death signal), so no exit of rank 0 leaves orphans. It ignores
@@ -28,8 +29,10 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -56,10 +59,22 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device if device.type == "cpu" else torch.device("cuda", rank)
 
 
+class StepExecutor(Protocol):
+    """What a worker runs each step it receives with: the engine's model runner."""
+
+    def execute(self, step: Any) -> None: ...
+
+
+# (cfg, model_dir, max_model_len, device) -> the worker's runner, built after it joined the
+# group; a module-level function, so that the spawned worker can unpickle it
+BuildRunner = Callable[[Any, Path, int, torch.device], StepExecutor]
+
+
 class TPWorkers:
     """Ranks 1..size-1 of the group, seen from rank 0."""
 
-    def __init__(self, cfg, model_dir: Path, max_model_len: int) -> None:
+    def __init__(self, cfg, model_dir: Path, max_model_len: int,
+                 build_runner: BuildRunner) -> None:
         size = cfg.tensor_parallel_size
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.failure: str | None = None
@@ -77,7 +92,7 @@ class TPWorkers:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"nanoserve-tp{rank}", daemon=True,
                             args=(rank, size, self.init_method, cfg, model_dir, max_model_len,
-                                  child, os.getpid()))
+                                  build_runner, child, os.getpid()))
             p.start()
             child.close()
             self.procs.append(p)
@@ -164,7 +179,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
-                max_model_len: int, conn: Connection, parent_pid: int) -> None:
+                max_model_len: int, build_runner: BuildRunner, conn: Connection,
+                parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hang_s := os.environ.get("NANOSERVE_TP_HANG_DUMP_S"):  # diagnostics: a hang's stacks
@@ -173,23 +189,18 @@ def worker_main(rank: int, size: int, init_method: str, cfg, model_dir: Path,
     # tqdm's default lock is a named semaphore, which this process's os._exit would leave for
     # the resource tracker to report as leaked; a worker's bars are disabled anyway
     tqdm.set_lock(threading.RLock())
-    from nanoserve.engine.model_runner import ModelRunner
-    from nanoserve.models.loader import load_model
-
     device = rank_device(cfg.torch_device, rank)
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init_tp(rank, size, init_method, device)
-        model = load_model(model_dir, max_model_len, cfg.torch_dtype, device, cfg.dummy_weights,
-                           cfg.seed, progress=False)
-        runner = ModelRunner(cfg, model, max_model_len, progress=False)
+        runner = build_runner(cfg, model_dir, max_model_len, device)
         conn.send(("ready", None))
         while (data := conn.recv_bytes()) != STOP:
             runner.execute(pickle.loads(data))
         # stopped: leave the group together with rank 0, graphs (and their captured
         # collectives) released first
-        del runner, model
+        del runner
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

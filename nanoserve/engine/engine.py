@@ -13,7 +13,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel_state import destroy_tp, init_tp
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers, rank_device
-from nanoserve.engine.model_runner import LaunchedStep, ModelRunner
+from nanoserve.engine.model_runner import LaunchedStep, ModelRunner, build_worker_runner
 from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Batch, Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -85,7 +85,8 @@ class LLMEngine:
             self.model_config.check_tensor_parallel(cfg.tensor_parallel_size)
             if cfg.enable_offload and cfg.host_kv_budget_gib is None:  # one figure for all
                 cfg = self.cfg = replace(cfg, host_kv_budget_gib=default_host_budget_gib())
-            self.workers = TPWorkers(cfg, self.model_dir, self.max_model_len)
+            self.workers = TPWorkers(cfg, self.model_dir, self.max_model_len,
+                                     build_worker_runner)
             init_tp(0, cfg.tensor_parallel_size, self.workers.init_method,
                     rank_device(cfg.torch_device, 0))
         model = load_model(self.model_dir, self.max_model_len, cfg.torch_dtype,

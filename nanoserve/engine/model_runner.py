@@ -4,6 +4,7 @@ replay, then the sampler."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
+from nanoserve.models.loader import load_model
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
@@ -38,6 +40,15 @@ class LaunchedStep:
     tokens: InFlightTokens  # on device: the next step's input ids
     host_tokens: torch.Tensor  # on cpu (pinned on CUDA): filled once `done` has passed
     done: torch.cuda.Event | None
+
+def build_worker_runner(cfg: EngineConfig, model_dir: Path, max_model_len: int,
+                        device: torch.device) -> ModelRunner:
+    """A tensor-parallel worker's runner (TPWorkers' build_runner): its shard of the model,
+    loaded on its device, and the same start-up as rank 0's."""
+    model = load_model(model_dir, max_model_len, cfg.torch_dtype, device, cfg.dummy_weights,
+                       cfg.seed, progress=False)
+    return ModelRunner(cfg, model, max_model_len, progress=False)
+
 
 # token counts of the warm-up prompts (ModelRunner.warm_up_prompts); the classes of count that
 # compiled kernels may specialize on: not divisible by 16 (even, odd) and divisible by 16
