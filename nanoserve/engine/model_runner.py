@@ -41,6 +41,7 @@ class LaunchedStep:
     host_tokens: torch.Tensor  # on cpu (pinned on CUDA): filled once `done` has passed
     done: torch.cuda.Event | None
 
+
 def build_worker_runner(cfg: EngineConfig, model_dir: Path, max_model_len: int,
                         device: torch.device) -> ModelRunner:
     """A tensor-parallel worker's runner (TPWorkers' build_runner): its shard of the model,
