@@ -10,6 +10,7 @@ import torch
 from nanoserve.distributed.parallel_state import tp_rank, tp_size
 from nanoserve.errors import is_finite_number
 from nanoserve.models.moe import MOE_BACKENDS
+from nanoserve.text import plural
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -52,8 +53,10 @@ class EngineConfig:
                                            "may take, KV cache included.", min=0, max=1,
                                            min_open=True)
     gpu_kv_budget_gib: float | None = _field(
-        None, "GiB of device memory for the KV cache (emulates a smaller GPU). Default: what "
-        "the gpu memory utilization leaves after a warm-up.", min=0, name="gpu-kv-budget")
+        None, "GiB of device memory for the KV cache (emulates a smaller GPU; on a CPU, the "
+        "RAM of the KV the engine computes from, host KV being the offload tier; fractions "
+        "such as 0.03 are fine). Default: on CUDA, what the gpu memory utilization leaves after "
+        "a warm-up; on a CPU, 1 GiB.", min=0, name="gpu-kv-budget")
     tensor_parallel_size: int = _field(1, "GPUs the model is split over, one process each "
                                        "(tensor parallelism: each GPU holds its share of the "
                                        "weights and of the KV heads, and streams its share of "
@@ -142,7 +145,8 @@ class EngineConfig:
                   f"(torch {torch.__version__}); use --device cpu")
             index = int(self.device.partition(":")[2] or 0)
             check(index < torch.cuda.device_count(),
-                  f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices")
+                  f"device {self.device!r}: only "
+                  f"{plural(torch.cuda.device_count(), 'CUDA device')}")
         if self.tensor_parallel_size > 1:
             check(self.device in ("auto", "cpu", "cuda"),
                   f"tensor_parallel_size {self.tensor_parallel_size} runs on devices 0.."
@@ -150,8 +154,8 @@ class EngineConfig:
                   f"GPUs with CUDA_VISIBLE_DEVICES instead")
             if self.torch_device.type == "cuda":
                 check(self.tensor_parallel_size <= torch.cuda.device_count(),
-                      f"tensor_parallel_size {self.tensor_parallel_size} exceeds the "
-                      f"{torch.cuda.device_count()} visible CUDA devices")
+                      f"tensor_parallel_size {self.tensor_parallel_size} exceeds the visible "
+                      f"{plural(torch.cuda.device_count(), 'CUDA device')}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -30,14 +30,6 @@ class ResidencyPlan:
         """Host-to-device bytes of one step whose batch holds `num_pages` pages on the host."""
         return self.streamed_layers * num_pages * self.layer_page_bytes
 
-    def describe(self) -> str:
-        if not self.offloading:
-            return f"all {self.num_layers} layers resident: KV fits the device, nothing streams"
-        full = self.streamed_bytes(self.num_pages - 1) / 1e9
-        return (f"{self.resident_layers} of {self.num_layers} layers resident, "
-                f"{self.streamed_layers} streamed, {full:.2f} GB per decode step at full "
-                f"capacity ({self.num_pages - 1} pages)")
-
 
 def plan_residency(num_layers: int, layer_page_bytes: int, wanted_pages: int,
                    gpu_budget_bytes: int, host_budget_bytes: int, num_slots: int,
@@ -65,7 +57,7 @@ def plan_residency(num_layers: int, layer_page_bytes: int, wanted_pages: int,
     p = min(host_pages(r), spare // ((r + num_slots) * lpb)) if spare > 0 else 0
     if p < 2:
         raise ValueError(
-            f"KV budgets too small: GPU {gpu_budget_bytes / 2**30:.2f} GiB, host "
-            f"{host_budget_bytes / 2**30:.2f} GiB cannot hold {num_slots} ring slots of 2 pages "
-            f"({layer_page_bytes} bytes per page per layer) with {r} resident layers")
+            f"KV budgets too small: GPU {gpu_budget_bytes / 2**30:.4g} GiB, host "
+            f"{host_budget_bytes / 2**30:.4g} GiB cannot hold {num_slots} ring slots of 2 pages "
+            f"({layer_page_bytes} bytes per page per layer) with resident_layers={r}")
     return ResidencyPlan(num_layers, r, p, lpb)

@@ -112,8 +112,8 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
     while True:
         m = metrics(srv)
         if (m["nanoserve_requests_running"], m["nanoserve_requests_waiting"],
-                m['nanoserve_kv_pages_used{tier="gpu"}'],
-                m['nanoserve_kv_pages_used{tier="host"}']) == (0, 0, 0, 0):
+                m['nanoserve_kv_pages_used{device="cpu",tier="device"}'],
+                m['nanoserve_kv_pages_used{device="cpu",tier="host"}']) == (0, 0, 0, 0):
             return m
         assert time.time() < deadline, m
         time.sleep(0.05)
@@ -326,7 +326,7 @@ def test_disconnect_mid_stream_frees_the_request(server):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
         assert metrics(server)["nanoserve_requests_running"] == 1
-        assert metrics(server)['nanoserve_kv_pages_used{tier="gpu"}'] > 0
+        assert metrics(server)['nanoserve_kv_pages_used{device="cpu",tier="device"}'] > 0
     m = wait_idle(server.url)
     aborted = 'nanoserve_requests_finished_total{reason="abort"}'
     assert m[aborted] == before.get(aborted, 0) + 1

@@ -20,6 +20,7 @@ from nanoserve.errors import InvalidParameter
 from nanoserve.kv.pages import PageAllocator, pages_needed
 from nanoserve.kv.prefix_cache import PrefixCache, chain_hashes
 from nanoserve.kv.spec import KVSpec
+from nanoserve.text import format_bytes, plural
 from offload import HostKVStore, LayerStreamer, ResidencyPlan, plan_residency
 
 GiB = 1 << 30
@@ -108,8 +109,8 @@ class KVManager:
         if need > self.capacity:
             where = "the KV budget"
             if self.budget.offload:
-                where = (f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.2f} GiB) with the "
-                         f"host KV budget ({self.budget.host_bytes / GiB:.2f} GiB)")
+                where = (f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.4g} GiB) with the "
+                         f"host KV budget ({self.budget.host_bytes / GiB:.4g} GiB)")
             raise InvalidParameter(
                 "prompt", f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
                 f"{self.spec.page_size} tokens; {where} holds {self.capacity}",
@@ -214,19 +215,35 @@ class KVManager:
             bind_kv(attention_layers, self.spec, slots, self.plan.resident_layers)
 
     def used_bytes(self) -> dict[str, int]:
-        """KV bytes in use, by tier (one page id holds a token range of every layer)."""
+        """KV bytes in use, by tier (one page id holds a token range of every layer); the
+        device tier is the resident pool, on whatever device the engine runs."""
         page = self.spec.page_bytes(1) * self.num_used
-        return {"gpu": page * self.plan.resident_layers, "host": page * self.plan.streamed_layers}
+        return {"device": page * self.plan.resident_layers,
+                "host": page * self.plan.streamed_layers}
 
     def describe(self) -> str:
         tokens = self.capacity * self.spec.page_size
-        text = (f"KV cache ({self.spec.describe()}): {self.capacity} pages of "
-                f"{self.spec.page_size} tokens = {tokens:,} tokens; {self.plan.describe()}")
+        text = (f"KV cache ({self.spec.describe()}): {plural(self.capacity, 'page')} of "
+                f"{plural(self.spec.page_size, 'token')} = {plural(tokens, 'token')}; "
+                f"{self.describe_split()}")
         if self.streamer is not None:
             s = self.streamer
-            text += (f"\n  host store {s.host.nbytes / GiB:.2f} GiB "
+            pool = self.resident.numel() * self.resident.element_size()
+            text += (f"\n  host store {format_bytes(s.host.nbytes)} "
                      f"{'pinned ' if self.device.type == 'cuda' else ''}"
-                     f"(budget {self.budget.host_bytes / GiB:.1f} GiB), GPU ring {s.num_slots} "
-                     f"slots + tails {s.gpu_bytes / GiB:.2f} GiB, resident pool "
-                     f"{self.resident.numel() * self.resident.element_size() / GiB:.2f} GiB")
+                     f"(budget {self.budget.host_bytes / GiB:.1f} GiB); on the device "
+                     f"({self.budget.gpu_bytes / GiB:.4g} GiB budget): ring of "
+                     f"{plural(s.num_slots, 'slot')} + tails {format_bytes(s.gpu_bytes)}, "
+                     f"resident pool {format_bytes(pool)}")
         return text
+
+    def describe_split(self) -> str:
+        """Which layers stay on the device and what a decode step streams at full capacity."""
+        plan = self.plan
+        if not plan.offloading:
+            return (f"all {plural(plan.num_layers, 'layer')} resident: KV fits the device, "
+                    f"nothing streams")
+        full = self.capacity
+        return (f"{plan.resident_layers} of {plural(plan.num_layers, 'layer')} resident, "
+                f"{plan.streamed_layers} streamed, {format_bytes(plan.streamed_bytes(full))} "
+                f"per decode step at full capacity ({plural(full, 'page')})")

@@ -54,12 +54,14 @@ class EngineCollector:
         yield gauge("requests_running", "Sequences decoding.", len(sched.running))
         yield gauge("requests_waiting", "Sequences queued, prefilling or preempted.",
                     len(sched.waiting))
-        # one page id holds a token range for every layer: resident layers' KV on the GPU,
-        # streamed layers' KV in host memory
+        # one page id holds a token range for every layer: resident layers' KV on the device
+        # (a GPU, or the CPU the engine runs on), streamed layers' KV in host memory; `device`
+        # names the memory each tier is in
+        where = {"device": kv.device.type, "host": "cpu"}
         pages = GaugeMetricFamily("nanoserve_kv_pages_used", "KV pages in use, by tier.",
-                                  labels=["model", "tier"])
-        pages.add_metric([model, "gpu"], used if plan.resident_layers else 0)
-        pages.add_metric([model, "host"], used if plan.streamed_layers else 0)
+                                  labels=["model", "tier", "device"])
+        pages.add_metric([model, "device", where["device"]], used if plan.resident_layers else 0)
+        pages.add_metric([model, "host", where["host"]], used if plan.streamed_layers else 0)
         yield pages
         yield gauge("kv_pages_total", "KV pages the budgets hold.", kv.capacity)
         if kv.cache is not None:
@@ -75,9 +77,9 @@ class EngineCollector:
             yield gauge("prefix_cache_hit_rate", "Share of prompt tokens served from the "
                         "prefix cache, since start.", hit_rate)
         nbytes = GaugeMetricFamily("nanoserve_kv_bytes_used", "KV bytes in use, by tier.",
-                                   labels=["model", "tier"])
+                                   labels=["model", "tier", "device"])
         for tier, value in kv.used_bytes().items():
-            nbytes.add_metric([model, tier], value)
+            nbytes.add_metric([model, tier, where[tier]], value)
         yield nbytes
         yield counter("prompt_tokens_total", "Prompt tokens admitted.",
                       ae.stats.prompt_tokens_total)
