@@ -15,6 +15,10 @@ import click
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.workers import TensorParallelFailure
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.text import format_bytes, plural
+
+if typing.TYPE_CHECKING:
+    from nanoserve.kv.manager import KVManager
 
 DEMO_INPUT_LEN = 1024  # generate with neither --prompt nor --input-len: a needle prompt this long
 
@@ -76,6 +80,8 @@ def build_config(kw: dict) -> EngineConfig:
 
 
 @click.group()
+@click.version_option(package_name="nanoserve", prog_name="nanoserve",
+                      message="%(prog)s %(version)s")
 def main() -> None:
     """nanoserve: a long-context LLM inference engine."""
 
@@ -165,7 +171,7 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
                 needles = [builder.build(input_len, (i + 0.5) / batch_size, rng)
                            for i in range(batch_size)]
             except ValueError:
-                why_random = f"{input_len} tokens are too few for a needle prompt"
+                why_random = f"a needle prompt needs more than {plural(input_len, 'token')}"
         prompts = [n.token_ids for n in needles]
     if input_len is not None and not needles:
         vocab = engine.model_config.vocab_size
@@ -181,7 +187,7 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             max_tokens=output_len, seed=kw["seed"], ignore_eos=ignore_eos)
     click.echo(f"model: {engine.model_dir} ({engine.model_config.architecture}, "
-               f"{engine.model_config.num_layers} layers), device {cfg.torch_device}, "
+               f"{plural(engine.model_config.num_layers, 'layer')}), device {cfg.torch_device}, "
                f"{cfg.torch_dtype}, attention {engine.runner.backend.name}, "
                f"graphs {'on' if engine.runner.graphs else 'off'}")
     click.echo(engine.describe_memory())
@@ -221,6 +227,10 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     click.echo(f"requests {len(done)}  prompt tokens {n_in}  output tokens {n_out}")
     click.echo(f"TTFT {ttft * 1e3:.1f} ms  prefill {n_in / ttft:,.0f} tok/s")
     click.echo(f"TPOT {tpot * 1e3:.2f} ms  decode {(n_out - len(done)) / decode_s:,.1f} tok/s")
+    streamer = engine.kv.streamer
+    if streamer is not None and n_out > len(done):
+        click.echo(describe_streamed(engine.kv, streamer.bytes_loaded,
+                                     cfg.tensor_parallel_size))
     sys.exit(1 if failed else 0)
 
 
@@ -233,6 +243,17 @@ def check_lengths(input_len: int | None, output_len: int, limit: int, what: str)
     if input_len is not None and input_len + output_len > limit:
         raise click.UsageError(f"--input-len {input_len} + --output-len {output_len} = "
                                f"{input_len + output_len} tokens do not fit {what}")
+
+
+def describe_streamed(kv: KVManager, nbytes: int, tp: int) -> str:
+    """What the run's last decode step streamed host->device (a rank's share under TP)."""
+    plan = kv.plan
+    pages = nbytes // (plan.streamed_layers * plan.layer_page_bytes)
+    rank = " per GPU" if tp > 1 else ""
+    return (f"offload: {plan.resident_layers} of {plural(plan.num_layers, 'layer')} resident, "
+            f"{plan.streamed_layers} streamed; the last decode step streamed "
+            f"{format_bytes(nbytes)} host->device{rank} ({plural(pages, 'page')} of each "
+            f"streamed layer)")
 
 
 def describe_needle(needles: list, input_len: int, demo: bool) -> None:

@@ -3,6 +3,7 @@ that refuse bad input before any model is loaded."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ import torch
 from click.testing import CliRunner
 from conftest import make_hf_model
 
+import nanoserve
 from nanoserve.cli import main
 from nanoserve.llm import LLM
 from nanoserve.models import loader
+from nanoserve.text import format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -82,6 +85,33 @@ def test_generate_with_offload_prints_the_split():
                "--enable-offload", "--resident-layers", "1", "--host-kv-budget", "0.01")
     assert r.exit_code == 0, r.output
     assert "1 of 4 layers resident, 3 streamed" in r.output
+
+
+def test_a_small_device_budget_streams_on_the_cpu_and_finds_the_same_needle():
+    """--gpu-kv-budget applies on a CPU: 1.25 MiB holds the ring slots (2 x 22 pages of 16 KiB),
+    the streamed layers' tails and one resident layer's pages, not all 4 layers' (1.375 MiB)."""
+    common = ("generate", "--input-len", "300", "--output-len", "32", "--page-size", "16")
+    off = invoke(*common)
+    r = invoke(*common, "--enable-offload", "--gpu-kv-budget", str(1.25 / 1024))
+    assert off.exit_code == 0 and r.exit_code == 0, r.output
+    assert "; 1 of 4 layers resident, 3 streamed, 1.03 MB per decode step at full capacity " \
+           "(21 pages)\n" in r.output  # 3 layers x 21 pages x 16 KiB
+    assert "needle: the answer found the secret number" in r.output
+    text = off.output.split("-" * 80)[1]
+    assert r.output.split("-" * 80)[1] == text  # greedy: offload on and off answer alike
+    n_out = int(r.output.split("output tokens ")[1].split()[0])
+    pages = (300 + n_out - 2) // 16  # the last decode step writes position 300 + n_out - 2
+    assert f"offload: 1 of 4 layers resident, 3 streamed; the last decode step streamed " \
+           f"{format_bytes(3 * pages * 16 * 1024)} host->device ({pages} pages of each " \
+           f"streamed layer)\n" in r.output
+    assert "offload:" not in off.output
+
+
+def test_version_prints_the_package_version():
+    r = invoke("--version")
+    assert r.exit_code == 0
+    assert r.output == f"nanoserve {importlib.metadata.version('nanoserve')}\n"
+    assert importlib.metadata.version("nanoserve") == nanoserve.__version__
 
 
 # --- issue 10 item 1: hub ids with a dot ----------------------------------------------------------

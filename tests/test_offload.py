@@ -110,3 +110,21 @@ def test_plan_keeps_as_many_layers_resident_as_fit():
     assert everything.resident_layers == 36 and not everything.offloading
     with pytest.raises(ValueError, match="KV budgets too small"):
         plan_residency(36, mib, 129, 2 * mib, 64 * 1024 * mib, 2, 2 * mib)
+
+
+def test_a_small_device_budget_streams_layers_on_the_cpu_with_the_same_tokens(six_layer_dir):
+    """The device KV budget applies on the CPU too: one that holds 2 layers' pages beside the
+    ring slots (2) and the streamed layers' tails streams the other 4, and greedy tokens equal
+    offload off. 513 pages wanted (8 sequences x 64 + the dummy page), 9 tail rows a layer."""
+    lpb = KVSpec(6, 4, 2, 16, torch.float32).page_bytes(num_layers=1)  # 1,024 bytes
+    fits_2, fits_3 = ((r + 2) * 513 * lpb + (6 - r) * 9 * lpb for r in (2, 3))
+    prompts = random_prompts(4, [19, 6, 33, 12], seed=5)
+    ref = run(offload_llm(six_layer_dir), prompts)
+    for budget, resident in ((fits_2, 2), (fits_3 - 1, 2), (fits_2 - 1, 1)):
+        llm = offload_llm(six_layer_dir, enable_offload=True, gpu_kv_budget_gib=budget / 2**30)
+        kv = llm.engine.kv
+        assert (kv.plan.resident_layers, kv.plan.streamed_layers) == (resident, 6 - resident)
+        assert run(llm, prompts) == ref
+    split = llm.engine.describe_memory().splitlines()[0]
+    assert split.endswith("; 1 of 6 layers resident, 5 streamed, 2.62 MB per decode step at "
+                          "full capacity (512 pages)")  # 5 layers x 512 pages x 1,024 bytes
