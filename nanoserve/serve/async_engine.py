@@ -5,8 +5,10 @@ a queue and read per-request outputs from asyncio queues, so requests that arriv
 decode join the running batch at the next step, and tokenization and detokenization happen on the
 event loop, off the engine's critical path.
 
-A request is its `n` sequences (one per completion); its stream carries the deltas of all of
-them, each tagged with its completion's index, and ends after every completion's last delta.
+A prompt is its `n` sequences (one per completion); its stream carries the deltas of all of
+them, each tagged with its completion's index, and ends after every completion's last delta. A
+request of several prompts is submitted at once, all or none: its prompts' streams share one
+queue, and prompt i's completion j is tagged i * n + j (OpenAI's choice index).
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ class ServerOverloaded(RuntimeError):
     """More sequences in flight than the server takes; the client should retry later."""
 
 
+class PromptRefused(ValueError):
+    """The engine refused prompt `index` of a request (`cause`, an InvalidParameter); none of
+    the request's prompts runs."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.index, self.cause = index, cause
+
+
 @dataclass
 class Delta:
     index: int  # which of the request's completions
@@ -41,15 +52,18 @@ class Delta:
     finish_reason: str | None = None  # stop | length | abort | error, on the last delta
     stop_text: str | None = None  # the output text cut before a stop string
     error: str | None = None  # why: finish_reason error, or abort at shutdown
+    # SamplingParams.prompt_logprobs: the prompt's, complete, on the first delta with tokens
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
 class RequestStream:
-    """One request's outputs, in order; the engine thread writes, a handler reads."""
+    """One prompt's outputs, in order; the engine thread writes, a handler reads."""
 
     loop: asyncio.AbstractEventLoop
     n: int = 1
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_index: int = 0  # its deltas' index: first_index + completion index
     seqs: list[Sequence] = field(default_factory=list)
     num_sent: list[int] = field(default_factory=list)  # per completion: tokens sent
     last_time: list[float] = field(default_factory=list)  # per completion: last token sent
@@ -65,6 +79,31 @@ class RequestStream:
     def num_cached_tokens(self) -> int:
         """Prompt tokens the prefix cache served (set when the request was admitted)."""
         return (self.seqs[0].num_cached_tokens or 0) if self.seqs else 0
+
+
+@dataclass
+class BatchStream:
+    """A request's prompts, one RequestStream each, all writing to one queue: choice i * n + j
+    is prompt i's completion j."""
+
+    streams: list[RequestStream]
+
+    @property
+    def queue(self) -> asyncio.Queue:
+        return self.streams[0].queue
+
+    @property
+    def n(self) -> int:
+        """Completions of all prompts together."""
+        return sum(s.n for s in self.streams)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.streams)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(s.num_cached_tokens for s in self.streams)
 
 
 @dataclass
@@ -130,28 +169,45 @@ class AsyncEngine:
         """Queues a request. Raises ValueError (InvalidParameter, from the engine) when it
         cannot run, ServerOverloaded when more than `max_in_flight` sequences would be in
         flight, RuntimeError when the engine is not running."""
+        try:
+            batch = await self.submit_batch([token_ids], params, max_in_flight)
+        except PromptRefused as e:
+            raise e.cause from None
+        return batch.streams[0]
+
+    async def submit_batch(self, prompts: list[list[int]], params: SamplingParams,
+                           max_in_flight: int | None = None) -> BatchStream:
+        """Queues a request of several prompts, each with `params` (its n completions), all or
+        none. Raises PromptRefused naming the first prompt the engine refused (ValueError),
+        RuntimeError (TensorParallelFailure) when the engine cannot take it, ServerOverloaded
+        when more than `max_in_flight` sequences would be in flight, RuntimeError when the
+        engine is not running."""
         if not self.alive or self.draining:
             raise RuntimeError("the engine is not running: " + (
                 self.error or ("the server is shutting down" if self.draining else "stopped")))
+        count = params.n * len(prompts)
         with self._lock:
-            if max_in_flight is not None and self._in_flight + params.n > max_in_flight:
+            if max_in_flight is not None and self._in_flight + count > max_in_flight:
                 raise ServerOverloaded(f"the server is overloaded: {self._in_flight} sequences "
                                        f"in flight, at most {max_in_flight}; retry later")
-            self._in_flight += params.n
+            self._in_flight += count
         loop = asyncio.get_running_loop()
-        stream = RequestStream(loop, params.n)
+        shared: asyncio.Queue = asyncio.Queue()
+        batch = BatchStream([RequestStream(loop, params.n, shared, i * params.n)
+                             for i in range(len(prompts))])
         admitted = loop.create_future()
-        self._inbox.put(("add", token_ids, params, stream, admitted))
+        self._inbox.put(("add", prompts, params, batch, admitted))
         self._wake.set()
         try:
             await admitted
         except asyncio.CancelledError:  # the client left before admission: do not run it
-            self.abort(stream)
+            self.abort(batch)
             raise
-        return stream
+        return batch
 
-    def abort(self, stream: RequestStream) -> None:
-        self._inbox.put(("abort", stream))
+    def abort(self, stream: RequestStream | BatchStream) -> None:
+        for s in stream.streams if isinstance(stream, BatchStream) else [stream]:
+            self._inbox.put(("abort", s))
         self._wake.set()
 
     def _done(self, count: int) -> None:
@@ -195,8 +251,8 @@ class AsyncEngine:
         """After the loop: requests still queued are refused (their submit raises)."""
         for cmd in self._queued():
             if cmd[0] == "add":
-                stream, admitted = cmd[3], cmd[4]
-                stream.loop.call_soon_threadsafe(
+                batch, admitted = cmd[3], cmd[4]
+                batch.streams[0].loop.call_soon_threadsafe(
                     _set_exception, admitted, RuntimeError(self.error or "engine stopped"))
 
     def _drain_inbox(self) -> None:
@@ -208,22 +264,30 @@ class AsyncEngine:
             else:
                 self._abort_all(SHUTDOWN_MESSAGE)
 
-    def _add(self, token_ids, params, stream: RequestStream, admitted) -> None:
-        try:
-            seqs = self.engine.add_request(token_ids, params)
-        except Exception as e:  # InvalidParameter: refused alone
-            self._done(params.n)
-            stream.loop.call_soon_threadsafe(_set_exception, admitted, e)
-            return
-        stream.seqs = seqs
-        stream.num_sent = [0] * len(seqs)
-        stream.last_time = [0.0] * len(seqs)
-        stream.num_open = len(seqs)
-        stream.num_prompt_tokens = seqs[0].num_prompt_tokens
-        for seq in seqs:
-            self._streams[seq.seq_id] = (stream, seq)
-        self.stats.prompt_tokens_total += stream.num_prompt_tokens
-        stream.loop.call_soon_threadsafe(_set_result, admitted)
+    def _add(self, prompts: list[list[int]], params: SamplingParams, batch: BatchStream,
+             admitted: asyncio.Future) -> None:
+        added: list[list[Sequence]] = []
+        for i, token_ids in enumerate(prompts):
+            try:
+                added.append(self.engine.add_request(token_ids, params))
+            except Exception as e:  # InvalidParameter: the request is refused alone
+                for seqs in added:  # no step has run since they were queued: nothing ran
+                    for seq in seqs:
+                        self.engine.abort(seq)
+                self._done(params.n * len(prompts))
+                refusal = PromptRefused(i, e) if isinstance(e, ValueError) else e
+                batch.streams[0].loop.call_soon_threadsafe(_set_exception, admitted, refusal)
+                return
+        for stream, seqs in zip(batch.streams, added, strict=True):
+            stream.seqs = seqs
+            stream.num_sent = [0] * len(seqs)
+            stream.last_time = [0.0] * len(seqs)
+            stream.num_open = len(seqs)
+            stream.num_prompt_tokens = seqs[0].num_prompt_tokens
+            for seq in seqs:
+                self._streams[seq.seq_id] = (stream, seq)
+            self.stats.prompt_tokens_total += stream.num_prompt_tokens
+        batch.streams[0].loop.call_soon_threadsafe(_set_result, admitted)
 
     def _abort(self, stream: RequestStream, error: str | None) -> None:
         for seq in stream.seqs:
@@ -255,9 +319,11 @@ class AsyncEngine:
         start = stream.num_sent[i]
         ids = seq.output_token_ids[start:]
         logprobs = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
+        prompt_logprobs = seq.prompt_logprobs if start == 0 and ids else None
         stream.num_sent[i] += len(ids)
         stop_text = seq.output_text if finish_reason is not None else None
-        stream.put(Delta(i, ids, logprobs, finish_reason, stop_text, error))
+        stream.put(Delta(stream.first_index + i, ids, logprobs, finish_reason, stop_text, error,
+                         prompt_logprobs))
         self._observe(stream, seq, len(ids), finish_reason)
         if finish_reason is not None:
             counts = self.stats.requests_finished

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, context_tokens: int = 4) -> None:
+    def __init__(self, tokenizer, context_tokens: int = 4,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer  # None: a model without a tokenizer, no text
         self.context_tokens = context_tokens
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context for the tokens after read_offset
         self.read_offset = 0  # tokens before this are released as text
@@ -21,7 +23,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Appends tokens; returns the newly completed text (possibly empty)."""
@@ -52,6 +54,20 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+
+def text_with_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """`ids` decoded as a prompt is (special tokens included) and each token's character start
+    in that text (a character split over several tokens belongs to the first of them, as in
+    streamed logprobs' offsets)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    ends: list[int] = []
+    for t in ids:
+        detok.add([t])
+        ends += [len(detok.text)] * (detok.read_offset - len(ends))
+    detok.flush()
+    ends += [len(detok.text)] * (len(ids) - len(ends))
+    return detok.text, [0] + ends[:-1] if ids else []
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -40,7 +40,8 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                           "response_format", "functions", "function_call", "tools",
                           "tool_choice", "parallel_tool_calls", "audio", "modalities",
                           "prediction", "reasoning_effort", "web_search_options", "verbosity"}
-_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation",
+                   "continuous_usage_stats"}  # vLLM's: usage on every chunk
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id"}
 
 
@@ -77,13 +78,20 @@ def unsupported(name: str, why: str = "is not supported by this server") -> APIE
 @dataclass
 class ParsedRequest:
     chat: bool
-    prompt: str | list[int] | None  # completions
+    prompts: list[str | list[int]] | None  # completions: one or more prompts
     messages: list[dict[str, str]] | None  # chat
     max_tokens: int | None  # None: fill up to the model's length (capped by the server)
     max_tokens_param: str  # the field the client set it with
     params: SamplingParams  # max_tokens set once the prompt length is known
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a last chunk with the request's usage
+    continuous_usage: bool = False  # usage so far on every chunk
+    echo: bool = False  # completions: the prompt before each completion's text
+
+    @property
+    def scoring_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompt_param(self) -> str:
@@ -97,6 +105,8 @@ class ParsedRequest:
             return self.max_tokens_param
         if field == "logprobs" and self.chat:
             return "top_logprobs"
+        if field == "prompt_logprobs":  # set from logprobs, for echo
+            return "logprobs"
         return field
 
 
@@ -156,11 +166,12 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
                             f"{served_model!r}", "model", "model_not_found")
     _refuse_unsupported(body, chat)
 
-    prompt = messages = None
+    prompts = messages = None
     if chat:
         messages = parse_messages(body.get("messages"))
     else:
-        prompt = parse_prompt(body.get("prompt"))
+        prompts = parse_prompts(body.get("prompt"))
+    echo = not chat and bool(_optional(body, "echo", bool, "a boolean"))
 
     max_param = "max_tokens"
     max_tokens = body.get("max_tokens")
@@ -168,9 +179,9 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
         max_param, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise invalid(max_param, f"'{max_param}' must be an integer >= 1, got "
-                                 f"{short(max_tokens)}")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < (0 if echo else 1)):
+        raise invalid(max_param, f"'{max_param}' must be an integer >= 1 (0 only with 'echo'), "
+                                 f"got {short(max_tokens)}")
 
     stream = _optional(body, "stream", bool, "a boolean") or False
     options = _optional(body, "stream_options", dict, "an object")
@@ -178,11 +189,14 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
         if not stream:
             raise invalid("stream_options", "'stream_options' is only allowed when 'stream' "
                                             "is true")
-        for key in options:
+        for key, value in options.items():
             if key not in _STREAM_OPTIONS:
                 raise invalid("stream_options", f"unknown stream option {short(key)}")
-        _optional(options, "include_usage", bool, "a boolean")
+            if value is not None and not isinstance(value, bool):
+                raise invalid("stream_options", f"stream option {short(key)} must be a "
+                                                f"boolean, got {short(value)}")
     include_usage = bool(options and options.get("include_usage"))
+    continuous_usage = bool(options and options.get("continuous_usage_stats"))
 
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
@@ -201,8 +215,10 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
     kwargs["logprobs"] = parse_logprobs(body, chat)
-    req = ParsedRequest(chat, prompt, messages, max_tokens, max_param,
-                        SamplingParams(), stream, include_usage)
+    if echo:  # the echoed prompt's logprobs, as many alternatives as the output's
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]
+    req = ParsedRequest(chat, prompts, messages, max_tokens, max_param,
+                        SamplingParams(), stream, include_usage, continuous_usage, echo)
     try:
         req.params = SamplingParams(**kwargs)
     except InvalidParameter as e:
@@ -238,8 +254,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         if given("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "supports only [\"text\"]")
     else:
-        if given("echo") not in (None, False):
-            raise unsupported("echo")
         if given("suffix") not in (None, ""):
             raise unsupported("suffix")
         best_of = given("best_of")
@@ -247,17 +261,87 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise invalid("best_of", f"'best_of' must be an integer, got {short(best_of)}")
 
 
-def parse_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(_is_int(t) for t in prompt):
-            raise invalid("prompt", "'prompt' must be a string, or a list of token ids "
-                                    "(one prompt per request)")
-        return prompt
-    if not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids")
-    return prompt
+def parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four shapes: a string or a list of token ids (one prompt), a list of strings or
+    a list of token-id lists (a prompt each)."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        items, batched = [prompt], False
+    elif isinstance(prompt, list) and prompt:
+        items, batched = prompt, True
+    else:
+        raise invalid("prompt", "'prompt' must be a non-empty string, a list of token ids, or "
+                                "a list of either (several prompts)")
+    for i, item in enumerate(items):
+        if not (isinstance(item, str) and item) and not _is_token_ids(item):
+            where = f"prompt[{i}]" if batched else "'prompt'"
+            raise invalid("prompt", f"{where} must be a non-empty string or a non-empty list "
+                                    f"of token ids, got {short(item)}")
+    return items
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(_is_int(t) for t in x)
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize, vLLM's shape: a completions prompt or a chat conversation."""
+
+    text: str | None  # the prompt
+    messages: list[dict[str, str]] | None  # or the conversation, through the chat template
+    add_generation_prompt: bool
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+_TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens",
+                         "return_token_strs"}
+
+
+def _check_fields(body: Any, allowed: set[str], served_model: str) -> dict:
+    if not isinstance(body, dict):
+        raise invalid(None, "request body must be a JSON object")
+    for key in body:
+        if key not in allowed:
+            raise invalid(key[:MAX_QUOTE], f"Unrecognized request argument supplied: "
+                                           f"{short(key)}", "unknown_parameter")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise APIError(404, f"The model {short(model)} does not exist; this server serves "
+                            f"{served_model!r}", "model", "model_not_found")
+    return body
+
+
+def parse_tokenize_request(body: Any, served_model: str) -> TokenizeRequest:
+    """add_special_tokens defaults to false: the ids /v1/completions runs for the same prompt
+    (the engine tokenizes prompts without special tokens; vLLM's completions add them, and so
+    its /tokenize defaults to true)."""
+    chat = isinstance(body, dict) and "messages" in body
+    body = _check_fields(body, _TOKENIZE_CHAT_FIELDS if chat else _TOKENIZE_FIELDS,
+                         served_model)
+    flags = {name: _optional(body, name, bool, "a boolean") for name in
+             ("add_generation_prompt", "add_special_tokens", "return_token_strs")}
+    text = messages = None
+    if chat:
+        messages = parse_messages(body["messages"])
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise invalid("prompt", f"'prompt' must be a string, got {short(text)}")
+    return TokenizeRequest(text, messages, flags["add_generation_prompt"] is not False,
+                           bool(flags["add_special_tokens"]), bool(flags["return_token_strs"]))
+
+
+def parse_detokenize_request(body: Any, served_model: str, vocab_size: int) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]} -> the ids."""
+    body = _check_fields(body, {"model", "tokens"}, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab_size
+                                               for t in tokens):
+        raise invalid("tokens", f"'tokens' must be a list of token ids (integers in [0, "
+                                f"{vocab_size})), got {short(tokens)}")
+    return tokens
 
 
 def parse_logit_bias(bias: Any) -> dict[int, Any]:
@@ -351,8 +435,28 @@ def completion_logprobs(items: list[TokenLogprobs], starts: list[int], token_tex
     """OpenAI's completions shape; `starts`: each token's character offset in the text."""
     return {"tokens": [token_text(t.token_id)[0] for t in items],
             "token_logprobs": [_lp(t.logprob) for t in items],
-            "top_logprobs": [{token_text(i)[0]: _lp(v) for i, v in t.top} for t in items],
+            "top_logprobs": [_top(t, token_text) for t in items],
             "text_offset": starts}
+
+
+def echoed_logprobs(ids: list[int], items: list[TokenLogprobs | None], starts: list[int],
+                    token_text) -> dict[str, Any]:
+    """An echoed prompt's tokens in the completions shape: a token without a logprob (the
+    first: nothing comes before it) has null for its logprob and its top_logprobs, as OpenAI
+    and vLLM send."""
+    items = [items[i] if i < len(items) else None for i in range(len(ids))]
+    return {"tokens": [token_text(t)[0] for t in ids],
+            "token_logprobs": [None if t is None else _lp(t.logprob) for t in items],
+            "top_logprobs": [None if t is None else _top(t, token_text) for t in items],
+            "text_offset": starts}
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first}
+
+
+def _top(t: TokenLogprobs, token_text) -> dict[str, float]:
+    return {token_text(i)[0]: _lp(v) for i, v in t.top}
 
 
 def chat_logprobs(items: list[TokenLogprobs], token_text) -> dict[str, Any]:
@@ -386,7 +490,8 @@ def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str,
 
 def chunk_body(req_id: str, model: str, chat: bool, text: str | None,
                finish_reason: str | None, role: bool = False, index: int = 0,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None,
+               usage_so_far: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if chat:
@@ -396,5 +501,8 @@ def chunk_body(req_id: str, model: str, chat: bool, text: str | None,
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {"id": req_id, "object": "chat.completion.chunk" if chat else "text_completion",
+    body = {"id": req_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+    if usage_so_far is not None:
+        body["usage"] = usage_so_far
+    return body
