@@ -36,10 +36,12 @@ from tqdm import tqdm
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
 from nanoserve.cuda_timing import median_ms
+from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
 from nanoserve.models.sizes import num_active_params, num_model_params, unread_expert_params
+from nanoserve.text import plural
 
 MODES = {
     "resident-eager": dict(enforce_eager=True),
@@ -124,6 +126,7 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
 
 
 # --- sampling --------------------------------------------------------------------------------
+SHARED_QUESTION_LEN = 16  # --shared-prefix: each request's own tokens after the document
 SAMPLED_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=-1)
 
 
@@ -186,9 +189,9 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
               kv_cache_dtype=args.kv_cache_dtype, **kw)
     engine, runner = llm.engine, llm.engine.runner
     kv = engine.kv
-    need = batch * -(-(input_len + args.output_len) // kv.spec.page_size)
+    need = kv_pages_needed(args, input_len, batch, kv.spec.page_size)
     if need > kv.capacity:
-        raise ValueError(f"does not fit: {need} KV pages needed, the budgets hold "
+        raise ValueError(f"does not fit: {plural(need, 'KV page')} needed, the budgets hold "
                          f"{kv.capacity}")
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
@@ -202,8 +205,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         # process), so one request of the same length runs first, untimed
         warm = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator())
         llm.generate([warm.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
-    # --shared-prefix: one document, a different 16-token question per request
-    doc = tokens(input_len - 16) if args.shared_prefix else []
+    doc = tokens(shared_prefix_len(args, input_len))
     seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
             engine.add_request(doc + tokens(input_len - len(doc)), params)]
     t0 = time.perf_counter()
@@ -323,7 +325,7 @@ def print_stall(rows: list[dict]) -> None:
           "vs one step with a full chunk):")
     for r in rows:
         print(f"  {r['mode']:<22} ctx {r['input_len']:>6}: largest gap {r['max_gap_s']:.3f} s, "
-              f"chunk step {r['chunk_step_s']:.3f} s ({r['chunk']} tokens), "
+              f"chunk step {r['chunk_step_s']:.3f} s ({plural(r['chunk'], 'token')}), "
               f"{r['gap_over_chunk_step']:.2f}x; prompt TTFT {r['ttft_s']:.2f} s")
 
 
@@ -416,12 +418,28 @@ def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[d
     torch.cuda.empty_cache()
 
 
+def shared_prefix_len(args: argparse.Namespace, input_len: int) -> int:
+    """--shared-prefix: the tokens of the one document every request starts with (each then
+    asks its own 16-token question); 0 without."""
+    return max(input_len - SHARED_QUESTION_LEN, 0) if args.shared_prefix else 0
+
+
+def kv_pages_needed(args: argparse.Namespace, input_len: int, batch: int, page_size: int) -> int:
+    """KV pages a batch takes at its full length. With --shared-prefix and prefix caching the
+    document's full pages are computed once and held by every request together; each request's
+    question, output and partly filled document page take pages of its own."""
+    own = pages_needed(input_len + args.output_len, page_size)
+    shared = shared_prefix_len(args, input_len) // page_size \
+        if config_default("enable_prefix_caching") else 0
+    return shared + batch * (own - shared)
+
+
 def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> bool:
     """Whether the weights and KV of one rank fit its GPU."""
     free, _ = torch.cuda.mem_get_info()
     kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.bfloat16)  # auto: bf16 on CUDA
     spec = KVSpec.for_model(cfg, EngineConfig().page_size, kv_dtype)
-    kv = batch * (input_len + args.output_len) * spec.token_bytes()
+    kv = kv_pages_needed(args, input_len, batch, spec.page_size) * spec.page_bytes()
     weights = num_model_params(cfg) * 2
     return (weights + kv) / tp < 0.9 * free
 
@@ -674,7 +692,7 @@ def main() -> None:
          "sampling": [dict(label=label, **params) for label, params in runs], "rows": rows},
         indent=1))
     plot(rows, out / "bench.png")
-    print(f"\n{machine['gpu']}, {args.model} ({cfg.num_layers} layers), KV cache "
+    print(f"\n{machine['gpu']}, {args.model} ({plural(cfg.num_layers, 'layer')}), KV cache "
           f"{args.kv_cache_dtype}, output {args.output_len} tokens, {machine['date']}")
     print_table(rows, ceil)
     if stall:

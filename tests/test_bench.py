@@ -216,3 +216,36 @@ def test_the_aggregate_link_ceiling_is_the_best_round_over_its_slowest_rank():
 
     rounds = [[1.25, 0.5], [0.9, 1.0], [1.1, 1.1]]
     assert best_aggregate_gbps(rounds, 10 * 10**9) == pytest.approx(20.0)
+
+
+# --- a shared prefix's pages count once ----------------------------------------------------------
+def test_the_page_count_counts_a_shared_prefixs_full_pages_once():
+    from bench_offload import kv_pages_needed
+
+    argv = ["--input-len", "32768", "--batch-size", "16"]
+    # 32,768 + 64 tokens: 129 pages of 256 each
+    assert kv_pages_needed(parse_args(argv), 32768, 16, 256) == 16 * 129 == 2064
+    # the document's 32,752 tokens fill 127 pages, held once; each request's question, its
+    # output and the document's last, partly filled page take 129 - 127 pages of its own
+    shared = parse_args([*argv, "--shared-prefix"])
+    assert kv_pages_needed(shared, 32768, 16, 256) == 127 + 16 * 2 == 159
+    assert kv_pages_needed(shared, 32768, 1, 256) == 129
+
+
+def test_a_shared_prefix_batch_that_fits_only_shared_is_not_refused():
+    """600-token prompts, 6 output tokens, 4 requests, 256-token pages: 12 pages unshared, 6
+    shared (the document's 2 full pages once, 1 page each). The device budget holds the
+    streamed layers' tails (5 rows of 256 KiB each for 4 layers) and 2 ring slots of 9 pages:
+    8 usable pages, which refused the batch before."""
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    lpb = 256 * 1024  # the embedded model's float32 KV: 1 KiB per token per layer
+    budget = (4 * 5 * lpb + 2 * 9 * lpb) / 2**30
+    argv = ["--model", "tiny-qwen3", "--input-len", "600", "--output-len", "6",
+            "--gpu-kv-budget", str(budget)]
+    with pytest.raises(ValueError, match="does not fit: 12 KV pages needed, the budgets hold 8"):
+        run_mode(parse_args(argv), "offload-eager", 600, 4, cfg, CEIL)
+    row = run_mode(parse_args([*argv, "--shared-prefix"]), "offload-eager", 600, 4, cfg, CEIL)
+    assert (row["batch"], row["streamed_layers"]) == (4, 4)
+    # a decode step loads the document's 2 pages once for all 4 requests (each one's own page
+    # is its tail), for each of the 4 streamed layers
+    assert row["h2d_bytes_per_step"] == 4 * 2 * lpb
