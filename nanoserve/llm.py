@@ -115,8 +115,9 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    """One prompt (text or token ids) or a list of them; anything else is one bad prompt each,
-    refused by the engine with a clear message."""
+    """One prompt (text or token ids) or a list of them; anything else in a list is one bad
+    prompt each, refused by the engine with a clear message. A call of the wrong shape (bytes,
+    no sequence, token ids mixed with other items) raises InvalidParameter naming `prompts`."""
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
@@ -125,6 +126,16 @@ def _as_prompt_list(prompts) -> list:
     if not isinstance(prompts, SequenceABC) or isinstance(prompts, dict):
         raise InvalidParameter("prompts", f"prompts must be a string, a list of token ids or a "
                                           f"list of prompts; got {type(prompts).__name__}")
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    ids = [isinstance(t, int) and not isinstance(t, bool) for t in prompts]
+    if prompts and all(ids):
         return [list(prompts)]
+    # ints beside anything but token-id lists are neither one prompt of token ids nor a batch;
+    # beside a token-id list (never a token id) the list is a batch and an int one bad prompt
+    if any(ids) and not any(isinstance(t, SequenceABC) and not isinstance(t, str)
+                            for t in prompts):
+        i = ids.index(False)
+        raise InvalidParameter("prompts", f"prompts mixes token ids with a "
+                                          f"{type(prompts[i]).__name__} (item {i}): one prompt "
+                                          f"of token ids is a list of ints only; a batch is a "
+                                          f"list of strings or of token-id lists")
     return list(prompts)
