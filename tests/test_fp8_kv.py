@@ -16,7 +16,8 @@ from test_needle import ALL_DEPTHS, CPU_LEN, format_table, run_needle
 from nanoserve import LLM, SamplingParams
 from nanoserve.attention.prefill import gather_kv
 from nanoserve.kv import fp8
-from nanoserve.kv.fp8 import FP8, FP8_MAX, MIN_SCALE, dequantize, quantize
+from nanoserve.kv.fp8 import dequantize, quantize
+from nanoserve.kv.fp8_format import FP8, FP8_MAX, MIN_SCALE
 from nanoserve.kv.spec import KVSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

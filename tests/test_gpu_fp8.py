@@ -15,8 +15,9 @@ from helpers import assert_32k_offload_equals_resident, make_gpu_llm
 from test_gpu_kernels import reference_decode
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kv import fp8
-from nanoserve.kv.fp8 import FP8, dequantize, quantize
+from nanoserve.attention.backend import store_fp8_kv
+from nanoserve.kv.fp8 import dequantize, quantize
+from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.loader import shipped_config_dir
 
@@ -145,7 +146,7 @@ def test_cuda_store_kernel_writes_the_reference_bytes(kv_heads, d, page_size, dt
     for device in ("cuda", "cpu"):
         kv = spec.empty(1, pages, torch.device(device))
         kc, vc, ks, vs = spec.views(kv[0])
-        fp8.store(k.to(device), v.to(device), kc, vc, ks, vs, slots.to(device))
+        store_fp8_kv(k.to(device), v.to(device), kc, vc, ks, vs, slots.to(device))
         stored[device] = kv.cpu()
     assert torch.equal(stored["cuda"], stored["cpu"])
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.attention.backend import select_backend
+from nanoserve.attention import select_backend
 from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import destroy_tp, init_tp
 from nanoserve.engine.scheduler import Batch

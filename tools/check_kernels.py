@@ -51,7 +51,7 @@ def cases():
     from nanoserve.attention.triton_decode import Tiles, paged_decode_attention
     from nanoserve.attention.triton_kv_store import store_fp8
     from nanoserve.attention.triton_rope_store import rope_and_store
-    from nanoserve.kv.fp8 import FP8
+    from nanoserve.kv.fp8_format import FP8
     from nanoserve.models.triton_linear import (
         skinny_linear,
         skinny_silu_linear,

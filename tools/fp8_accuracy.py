@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import engine_prefill_logits  # noqa: E402
 
 from nanoserve import LLM  # noqa: E402
-from nanoserve.kv.fp8 import FP8, FP8_MAX, MIN_SCALE, dequantize, quantize  # noqa: E402
+from nanoserve.kv.fp8 import dequantize, quantize  # noqa: E402
+from nanoserve.kv.fp8_format import FP8, FP8_MAX, MIN_SCALE  # noqa: E402
 from nanoserve.needle import NeedleBuilder  # noqa: E402
 
 

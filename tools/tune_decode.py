@@ -24,7 +24,7 @@ from nanoserve.attention.triton_decode import (
     num_splits_for,
     paged_decode_attention,
 )
-from nanoserve.kv.fp8 import FP8
+from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
 
 HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 256  # the Qwen3-8B shape

@@ -85,44 +85,26 @@ class AttentionBackend(ABC):
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer, slot_mapping: torch.Tensor) -> None:
     """The new tokens' K, V [tokens, kv_heads, d] into their slots of `layer`'s cache:
-    quantized with their scales (kv/fp8.py) or cast to the cache's dtype."""
+    quantized with their scales (store_fp8_kv) or cast to the cache's dtype."""
     if layer.k_scale is not None:
-        fp8.store(k, v, layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale, slot_mapping)
+        store_fp8_kv(k, v, layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale,
+                     slot_mapping)
         return
     h, d = layer.k_cache.shape[-2:]
     layer.k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(layer.k_cache.dtype))
     layer.v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(layer.v_cache.dtype))
 
 
-def select_backend(name: str, device: torch.device, kv_in_model_dtype: bool = True
-                   ) -> AttentionBackend:
-    """kv_in_model_dtype: False when the KV cache is stored in another dtype (FP8), which
-    flash-attn's kernels cannot read."""
-    if name == "flash" and not kv_in_model_dtype:
-        raise ValueError("attention backend 'flash' reads KV only in the model's dtype: use "
-                         "attention backend triton (or auto) with this kv cache dtype")
-    if name == "auto":
-        if device.type != "cuda":
-            name = "torch"
-        else:
-            try:
-                import flash_attn  # noqa: F401
+def store_fp8_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Quantizes the new tokens' K, V [tokens, kv_heads, head_dim] into their slots of the FP8
+    caches (values [pages, page_size, kv_heads, head_dim], scales [pages, page_size,
+    kv_heads]). CUDA: one fused Triton kernel (amax, scale, cast, scatter of K and V;
+    attention/triton_kv_store.py); elsewhere kv/fp8.py's reference, whose bytes it equals."""
+    if k.is_cuda:
+        from nanoserve.attention.triton_kv_store import store_fp8  # triton: CUDA installs only
 
-                name = "flash" if kv_in_model_dtype else "triton"
-            except ImportError:
-                name = "triton"
-    if name == "torch":
-        from nanoserve.attention.torch_backend import TorchBackend
-
-        return TorchBackend()
-    if device.type != "cuda":
-        raise ValueError(f"attention backend {name!r} needs a CUDA device")
-    if name == "triton":
-        from nanoserve.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    if name == "flash":
-        from nanoserve.attention.flash_backend import FlashBackend
-
-        return FlashBackend()
-    raise ValueError(f"unknown attention backend {name!r}")
+        store_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    else:
+        fp8.store(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)

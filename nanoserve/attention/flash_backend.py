@@ -1,5 +1,9 @@
 """flash-attn backend (optional extra `nanoserve[flash]`): paged prefill and decode kernels read
-the page table directly. Needs page_size to be a multiple of 256."""
+the page table directly. Needs page_size to be a multiple of 256.
+
+Untested: no GPU run of this project's tests has covered it yet, so `auto` never picks it and
+selecting it by name logs a warning (attention/__init__.py); tests/test_gpu_engine.py's backend
+parametrization is where it should join triton and torch."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kv.fp8 import FP8_MAX, MIN_SCALE
+from nanoserve.kv.fp8_format import FP8_MAX, MIN_SCALE
 
 
 @triton.jit

@@ -10,8 +10,9 @@ K/V is 2.9-6.7% per layer with a scale per token, 3.5-7.8% with one per page of 
 (bf16 K/V: 0.2-0.5%), since one outlier token sets a whole page's resolution. The cost is
 4 bytes per 128 values (3%).
 
-`quantize` is the reference; the CUDA store kernel (attention/triton_kv_store.py) gives the
-same bytes: both divide in IEEE float32 and round to nearest even.
+`quantize` and `store` are the reference; the CUDA store kernel (attention/triton_kv_store.py,
+chosen by attention/backend.store_fp8_kv) gives the same bytes: both divide in IEEE float32 and
+round to nearest even. The format's constants are in kv/fp8_format.py, which both sides import.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.fused import fused
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
-MIN_SCALE = 2.0**-126  # float32's smallest normal: an all-zero (token, head) gets a finite scale
+from nanoserve.kv.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,12 +42,7 @@ def store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
           k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantizes the new tokens' K, V [tokens, kv_heads, head_dim] into their slots of the
     caches (values [pages, page_size, kv_heads, head_dim], scales [pages, page_size,
-    kv_heads]). CUDA: one fused kernel (amax, scale, cast, scatter of K and V)."""
-    if k.is_cuda:
-        from nanoserve.attention.triton_kv_store import store_fp8
-
-        store_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-        return
+    kv_heads]): the reference, on any device, of the fused CUDA store kernel."""
     page, offset = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         values, scale = quantize(x)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kv.fp8 import FP8
+from nanoserve.kv.fp8_format import FP8
 from offload import PageLayout
 
 
