@@ -4,7 +4,7 @@ A chunk of T new tokens after P cached ones attends to the prefix (every key vis
 itself (causal). One kernel call over prefix + chunk needs a bottom-right causal mask, which on
 an H200 only FA2 and the memory-efficient kernel take (~330 TFLOP/s). So the two halves run
 apart, each through cuDNN's Hopper kernel with its log-sum-exp (~590 TFLOP/s, GQA native), and
-are merged by their log-sum-exps. Measured by tools/bench_attention.py; docs/perf-notes.md.
+are merged by their log-sum-exps. Measured by tools/probes/bench_attention.py; docs/perf-notes.md.
 
 cuDNN builds an execution plan for each new shape (45-85 ms on an H200, once per process), so a
 small chunk with a prefix, whose attention takes less than a plan build, goes through torch's

@@ -1,6 +1,6 @@
 """Issue 14's targets in one process (one model load): a 32K document with every layer streamed;
 TTFT of a first and a second question on it, and TPOT of one request vs 16 on the document.
-python tools/prefix_targets.py [--model Qwen3-8B] [--doc-len 32768] [--batch 16]"""
+python tools/probes/prefix_targets.py [--model Qwen3-8B] [--doc-len 32768] [--batch 16]"""
 
 from __future__ import annotations
 

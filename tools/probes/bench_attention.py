@@ -3,7 +3,7 @@
 A prefill chunk of T new tokens attends to a cached prefix of P tokens (no mask) and to itself
 (causal). Each candidate computes that for the Qwen3-8B shape (32 query heads, 8 kv heads,
 d=128, bf16); batches of short prompts are timed too. Usage (GPU):
-    python tools/bench_attention.py [--chunk 8192] [--prefix 0,8192,24576,122880]
+    python tools/probes/bench_attention.py [--chunk 8192] [--prefix 0,8192,24576,122880]
 """
 
 from __future__ import annotations
