@@ -154,8 +154,8 @@ class EngineConfig:
                   f"GPUs with CUDA_VISIBLE_DEVICES instead")
             if self.torch_device.type == "cuda":
                 check(self.tensor_parallel_size <= torch.cuda.device_count(),
-                      f"tensor_parallel_size {self.tensor_parallel_size} exceeds the visible "
-                      f"{plural(torch.cuda.device_count(), 'CUDA device')}")
+                      f"tensor_parallel_size {self.tensor_parallel_size} exceeds the "
+                      f"{plural(torch.cuda.device_count(), 'visible CUDA device')}")
 
     @property
     def torch_device(self) -> torch.device:
