@@ -23,6 +23,7 @@ from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.errors import InvalidParameter
 from nanoserve.kv.pages import pages_needed
 from nanoserve.outputs import TokenLogprobs
+from nanoserve.text import plural
 
 if TYPE_CHECKING:
     from nanoserve.kv.manager import KVManager
@@ -61,7 +62,7 @@ class Scheduler:
         if num_prompt_tokens == 0:
             raise InvalidParameter("prompt", "empty prompt")
         if num_prompt_tokens >= self.max_model_len:
-            raise InvalidParameter("prompt", f"prompt has {num_prompt_tokens} tokens; "
+            raise InvalidParameter("prompt", f"prompt has {plural(num_prompt_tokens, 'token')}; "
                                              f"max_model_len is {self.max_model_len}, which "
                                              "leaves no room for output",
                                    "context_length_exceeded")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
+from nanoserve.text import plural
+
 if TYPE_CHECKING:
     from nanoserve.kv.prefix_cache import PrefixCache
 
@@ -48,7 +50,7 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
-            raise OutOfPages(f"asked for {n} KV pages, {self.num_free} free")
+            raise OutOfPages(f"asked for {plural(n, 'KV page')}, {self.num_free} free")
         pages = []
         for _ in range(n):
             if self._free:
