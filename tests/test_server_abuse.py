@@ -376,7 +376,7 @@ def test_unsupported_unknown_and_harmless_parameters(server):
 
 # --- item 11: API key -----------------------------------------------------------------------------
 
-def test_api_key_guards_v1_routes_only(server):
+def test_api_key_guards_every_route_but_health_and_metrics(server):
     expected = {"type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
     body = {"prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"},
@@ -385,7 +385,11 @@ def test_api_key_guards_v1_routes_only(server):
                   httpx.post(server.url + CHAT, json={"messages": MSG}, headers=headers),
                   httpx.get(server.url + "/v1/models", headers=headers),
                   httpx.get(server.url + f"/v1/models/{NAME}", headers=headers),
-                  httpx.get(server.url + "/v1/nothing", headers=headers)):
+                  httpx.get(server.url + "/v1/nothing", headers=headers),
+                  httpx.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=headers),
+                  httpx.post(server.url + "/detokenize", json={"tokens": [1]}, headers=headers),
+                  httpx.get(server.url + "/tokenizer_info", headers=headers),
+                  httpx.get(server.url + "/nothing", headers=headers)):
             assert r.status_code == 401, (headers, r.request.url, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
             err = r.json()["error"]
@@ -402,6 +406,10 @@ def test_api_key_guards_v1_routes_only(server):
     r = right.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.choices[0].text == server.ref
     assert right.models.retrieve(NAME).id == NAME
+    assert post(server, "/tokenize", {"prompt": "hi"}).json()["count"] == 2
+    lm_utils = pytest.importorskip("lm_eval.utils")  # its remote tokenizer sends the key
+    assert lm_utils.check_remote_tokenizer_support(server.url + C, auth_token=KEY)
+    assert not lm_utils.check_remote_tokenizer_support(server.url + C, max_retries=1)
     assert_healthy(server)
 
 
