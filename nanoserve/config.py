@@ -73,8 +73,8 @@ class EngineConfig:
                                     "logprobs or penalties.")
     max_graph_batch_size: int = _field(64, "Largest decode batch captured as a CUDA graph "
                                        "(larger batches run eagerly).", min=1)
-    attention_backend: str = _field("auto", "auto: flash with flash-attn installed, else "
-                                    "triton; torch on CPU.", choices=ATTENTION_BACKENDS)
+    attention_backend: str = _field("auto", "auto: triton on CUDA, torch on CPU; flash (by "
+                                    "name only) is untested.", choices=ATTENTION_BACKENDS)
     moe_backend: str = _field("auto", "How mixture-of-experts layers run their experts: "
                               "grouped (sorted by expert, torch's grouped GEMM), gather "
                               "(gathered weights, batched GEMV), loop (one expert at a time); "

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import fused
-from nanoserve.attention.backend import select_backend
+from nanoserve.attention import select_backend
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
