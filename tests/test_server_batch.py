@@ -167,6 +167,23 @@ def test_continuous_usage_stats_on_chat_counts_from_the_role_chunk(server):
     assert {e["usage"]["prompt_tokens"] for e in events} == {prompt}
 
 
+@pytest.mark.parametrize("path", [C, "/v1/chat/completions"])
+def test_guidellms_streaming_request_as_it_sends_it(server, path):
+    """Its body for a fixed output length, on either endpoint (chat content as text parts)."""
+    body = {"model": NAME, "stream": True, "stop": None, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if path == C:
+        body |= {"prompt": PROMPT, "max_tokens": 7}
+    else:
+        body |= {"messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+                 "max_completion_tokens": 7}
+    events = stream(server, path, body)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == 7
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" in e for e in events[:-1])
+
+
 # --- tokenizer routes -------------------------------------------------------------------------
 
 def test_tokenize_gives_the_ids_completions_run_and_detokenize_inverts_it(server):
