@@ -280,8 +280,8 @@ def describe_needle(needles: list, input_len: int, demo: bool) -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--api-key", envvar="NANOSERVE_API_KEY", default=None, show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics "
-                   "stay open).")
+              help="Require 'Authorization: Bearer KEY' on every route but /health and "
+                   "/metrics.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
               help="Largest request body, else 413 [default: max(1 MiB, 64 x max_model_len)].")
 @click.option("--max-waiting-requests", type=click.IntRange(min=0), default=1024,
@@ -293,12 +293,25 @@ def describe_needle(needles: list, input_len: int, demo: bool) -> None:
               help="Seconds a client has to send its request body, else 408.")
 @click.option("--timeout-keep-alive", type=click.IntRange(min=1), default=5, show_default=True,
               help="Seconds an idle keep-alive connection stays open.")
+@click.option("--allowed-hosts", default=None,
+              help="Comma-separated Host header names the server answers to ('*': any; "
+                   "'*.example.com': its subdomains); other hosts get 400, so a web page that "
+                   "rebinds its DNS name to this machine cannot drive it [default: loopback "
+                   "names when --host is a loopback address, else any].")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True, max=3600),
+              default=10.0, show_default=True,
+              help="Seconds a connection has to send a whole request head (from its opening "
+                   "or its previous response), else it is closed.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=2048,
+              show_default=True, help="Open connections; more get 503 and are closed.")
 def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
-          max_body_bytes, max_waiting_requests, body_timeout, timeout_keep_alive, **kw) -> None:
+          max_body_bytes, max_waiting_requests, body_timeout, timeout_keep_alive, allowed_hosts,
+          header_timeout, max_connections, **kw) -> None:
     """OpenAI-compatible HTTP server (completions, chat completions, streaming)."""
     try:
         from nanoserve.serve.app import build_app
         from nanoserve.serve.async_engine import AsyncEngine
+        from nanoserve.serve.middleware import allowed_hosts_for
         from nanoserve.serve.server import run_server
     except ImportError as e:
         raise click.UsageError(f"serve needs the server extra: pip install 'nanoserve[serve]' "
@@ -306,6 +319,7 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
     from nanoserve.llm import LLM
 
     try:
+        hosts = allowed_hosts_for(host, allowed_hosts)
         cfg = build_config(kw)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
@@ -321,10 +335,13 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
     click.echo(engine.describe_memory())
     app = build_app(AsyncEngine(engine), name, default_max_tokens, api_key=api_key or None,
                     max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
-                    body_timeout_s=body_timeout)
+                    body_timeout_s=body_timeout, allowed_hosts=hosts)
     if api_key:
-        click.echo("API key required on /v1 routes")
-    run_server(app, host, port, log_level, timeout_keep_alive=timeout_keep_alive)
+        click.echo("API key required on every route but /health and /metrics")
+    click.echo(f"answers Host {', '.join(hosts) if hosts else 'any'}; request heads within "
+               f"{header_timeout:g} s; at most {max_connections} connections")
+    run_server(app, host, port, log_level, timeout_keep_alive=timeout_keep_alive,
+               header_timeout_s=header_timeout, max_connections=max_connections)
     click.echo("nanoserve: shut down cleanly")
 
 

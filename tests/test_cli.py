@@ -218,9 +218,20 @@ def test_generate_device_cuda_without_cuda_is_one_clear_line():
                                     "not in the range x>=1."),
     (["--gpu-kv-budget", "inf"], "Error: Invalid value for '--gpu-kv-budget': inf is not a "
                                  "finite number."),
+    (["--header-timeout", "0"], "Error: Invalid value for '--header-timeout': 0.0 is not in "
+                                "the range 0<x<=3600."),
+    (["--max-connections", "0"], "Error: Invalid value for '--max-connections': 0 is not in "
+                                 "the range x>=1."),
 ])
 def test_serve_refuses_bad_arguments_before_loading(no_loading, args, message):
     assert usage_error(invoke("serve", *args)) == message
+
+
+def test_serve_empty_allowed_hosts_is_a_usage_error(no_loading):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    assert usage_error(invoke("serve", "--allowed-hosts", " , ")) == \
+        "Error: allowed hosts: give at least one name, or '*' for any"
 
 
 def test_serve_bad_device_is_a_usage_error(no_loading):
