@@ -113,3 +113,21 @@ def test_prompt_logprobs_is_validated():
         with pytest.raises(InvalidParameter) as e:
             SamplingParams(prompt_logprobs=bad)
         assert e.value.param == "prompt_logprobs"
+
+
+def test_n_completions_score_the_prompt_once():
+    """Completion 0 scores it for the request; the others take their prefix as usual."""
+    llm = make_llm(None)
+    ids = random_prompts(1, [20], vocab=llm.engine.model_config.vocab_size, seed=8)[0]
+    params = SCORE.replace(n=3, temperature=1.0, seed=1)
+    seqs = llm.engine.add_request(ids, params)
+    try:
+        assert [s.prompt_logprobs is not None for s in seqs] == [True, False, False]
+        assert [s.index for s in seqs] == [0, 1, 2]
+    finally:
+        for s in seqs:
+            llm.engine.abort(s)
+    (out,) = llm.generate(ids, params)
+    assert len(out.outputs) == 3 and len(out.prompt_logprobs) == 20
+    (alone,) = llm.generate(ids, SCORE)
+    assert out.prompt_logprobs == alone.prompt_logprobs

@@ -137,6 +137,49 @@ def test_the_deadline_starts_again_after_each_response(server):
         assert status == 408 and time.perf_counter() - start <= HEADER_TIMEOUT_S + 1.0
 
 
+def read_response(s: socket.socket) -> bytes:
+    """One response (its head and content-length bytes of body) off a connection kept open."""
+    def more() -> bytes:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection"
+        return chunk
+
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += more()
+    return head + b"\r\n\r\n" + body
+
+
+def test_an_idle_keep_alive_connection_outlives_the_head_deadline(server):
+    """Between requests the keep-alive timeout (5 s here) rules, not the head's deadline."""
+    with connect(server) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(HEADER_TIMEOUT_S + 0.5)
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
+
+
+def test_the_deadline_holds_after_an_answer_given_before_the_body(server):
+    """An unknown route is answered before its body is read; the body, then a head that never
+    ends, still meet the deadline."""
+    with connect(server) as s:
+        s.sendall(b"POST /nope HTTP/1.1\r\nhost: localhost\r\ncontent-length: 5\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 404")
+        s.sendall(b"hello")
+        time.sleep(0.2)
+        start = time.perf_counter()
+        s.sendall(b"GET /health HTTP/1.1\r\nho")
+        data = read_until_closed(s)
+        assert time.perf_counter() - start <= HEADER_TIMEOUT_S + 1.0
+    assert data.startswith(b"HTTP/1.1 408"), data[:60]
+
+
 def test_a_whole_head_is_not_cut_while_its_body_and_answer_take_longer(server):
     body = json.dumps({"prompt": "The sky", "max_tokens": 2, "temperature": 0}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n"

@@ -166,7 +166,12 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         self.scheduler.check_admissible(len(ids))
         base = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        seqs = [Sequence(ids, params, i, derive_seed(base, i)) for i in range(params.n)]
+        # the prompt is scored once, by completion 0 (admitted first: the others queue behind
+        # it), whose logprobs serve the whole request
+        unscored = params if params.prompt_logprobs is None else \
+            params.replace(prompt_logprobs=None)
+        seqs = [Sequence(ids, params if i == 0 else unscored, i, derive_seed(base, i))
+                for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
             self.sequences[seq.seq_id] = seq

@@ -227,14 +227,15 @@ class ModelRunner:
                             ) -> tuple[torch.Tensor, StepInputs]:
         """The step's forward here, and under TP on every worker (sent first): its logits, and
         its inputs with what the forward set in them (prompt scores)."""
-        if self.peers is None:
-            inputs = step.to_device(self.device, self.inputs.pin, in_flight)
-            return self.forward(inputs), inputs
-        self.peers.send(step)
+        if self.peers is not None:
+            self.peers.send(step)
         try:
             inputs = step.to_device(self.device, self.inputs.pin, in_flight)
             return self.forward(inputs), inputs
-        except Exception as e:  # the workers run theirs: the ranks are out of step for good
+        except Exception as e:
+            if self.peers is None:
+                raise
+            # the workers run theirs: the ranks are out of step for good
             raise TensorParallelFailure(f"a step failed on rank 0 after its workers took it: "
                                         f"{type(e).__name__}: {e}") from e
 

@@ -3,7 +3,9 @@ most likely alternatives at its position, computed on the device from the prefil
 states (the prefill runs anyway; scoring adds the head over the scored rows).
 
 The head runs over a bounded number of rows at a time: a 152K-token vocabulary in float32 is
-0.6 MB per row, so a whole 8K-token chunk at once would need 5 GB for its logits alone.
+0.6 MB per row, so a whole 8K-token chunk at once would need 5 GB for its logits alone. 128 rows'
+logits and their log_softmax fit the room the memory profile keeps beside the decode graphs'
+logits (ModelRunner._profile_free_bytes: 4 x 64 rows of the vocabulary in float32).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from nanoserve.outputs import TokenLogprobs
 
-ROWS_PER_HEAD_CALL = 256
+ROWS_PER_HEAD_CALL = 128
 
 
 @dataclass

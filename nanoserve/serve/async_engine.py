@@ -319,7 +319,8 @@ class AsyncEngine:
         start = stream.num_sent[i]
         ids = seq.output_token_ids[start:]
         logprobs = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
-        prompt_logprobs = seq.prompt_logprobs if start == 0 and ids else None
+        # completion 0 scores the prompt for the request (LLMEngine.add_request)
+        prompt_logprobs = stream.seqs[0].prompt_logprobs if start == 0 and ids else None
         stream.num_sent[i] += len(ids)
         stop_text = seq.output_text if finish_reason is not None else None
         stream.put(Delta(stream.first_index + i, ids, logprobs, finish_reason, stop_text, error,

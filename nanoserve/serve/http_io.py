@@ -40,7 +40,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     if mime.strip().lower() != "application/json" or \
             charset not in (None, "utf-8", "utf8", '"utf-8"'):
         raise APIError(415, "the request body must be JSON: Content-Type: application/json",
-                       code="unsupported_media_type")
+                       code="unsupported_media_type", headers=CLOSE)  # its body is not read
     too_big = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large",
                        headers=CLOSE)
     length = request.headers.get("content-length")

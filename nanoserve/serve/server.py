@@ -35,10 +35,11 @@ def raw_error(e: APIError, reason: str) -> bytes:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: a connection is closed when a request head has not fully
-    arrived `header_timeout_s` after the connection opened or its previous response ended (a
-    head that had started gets a 408 first), and a connection beyond `max_connections` open
-    ones gets a 503 and is closed at once. Both come from ServerConfig."""
+    """uvicorn's h11 protocol, plus: a request head must arrive whole within `header_timeout_s`
+    of the connection's opening or of its first byte (a head that had started gets a 408, then
+    the connection closes), and a connection beyond `max_connections` open ones gets a 503 and
+    is closed at once. Both come from ServerConfig. An idle keep-alive connection between
+    requests is uvicorn's: its keep-alive timer closes it."""
 
     header_timer = None
 
@@ -54,15 +55,17 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._arm_header_timer()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # part of a new head is buffered (whatever came before it: a response, a body the
+        # server answered early): its deadline runs from now, trickled bytes do not extend it
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self._arm_header_timer()
+
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # a whole request head is in
             self._cancel_header_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._arm_header_timer()
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
