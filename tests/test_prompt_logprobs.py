@@ -42,17 +42,18 @@ def assert_matches(out, ids: list[int], ref: torch.Tensor, k: int = 3) -> None:
         entry = lps[p]
         assert entry.token_id == ids[p]
         assert abs(entry.logprob - ref[p - 1, ids[p]].item()) < TOLERANCE, p
-        top_vals, top_ids = ref[p - 1].topk(k)
+        top_vals, top_ids = ref[p - 1].topk(k) if k else (torch.empty(0), torch.empty(0))
         assert len(entry.top) == k
         assert [v for _, v in entry.top] == pytest.approx(top_vals.tolist(), abs=TOLERANCE)
         assert [i for i, _ in entry.top] == top_ids.tolist()
 
 
-def test_prompt_logprobs_equal_transformers_log_softmax(hf_embedded):
+@pytest.mark.parametrize("k", [0, 1, 3])  # 1: a max over the vocabulary, 3: a top-k
+def test_prompt_logprobs_equal_transformers_log_softmax(hf_embedded, k):
     llm = make_llm(None)
     ids = random_prompts(1, [45], vocab=llm.engine.model_config.vocab_size, seed=3)[0]
-    (out,) = llm.generate(ids, SCORE)
-    assert_matches(out, ids, reference(hf_embedded, ids))
+    (out,) = llm.generate(ids, SCORE.replace(prompt_logprobs=k))
+    assert_matches(out, ids, reference(hf_embedded, ids), k=k)
 
 
 def test_chunked_prefill_scores_every_chunk(hf_embedded):
@@ -131,3 +132,22 @@ def test_n_completions_score_the_prompt_once():
     assert len(out.outputs) == 3 and len(out.prompt_logprobs) == 20
     (alone,) = llm.generate(ids, SCORE)
     assert out.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_scores_stay_on_the_device_until_a_step_reads_its_tokens(hf_embedded):
+    """Chunks before the prompt's last leave their scores unread (no synchronization); the last
+    chunk's step reads them all, in order, before the first token is appended."""
+    llm = make_llm(None, max_num_batched_tokens=16)
+    ids = random_prompts(1, [45], vocab=llm.engine.model_config.vocab_size, seed=9)[0]
+    (seq,) = llm.engine.add_request(ids, SCORE)
+    llm.engine.step()
+    llm.engine.step()
+    assert seq.prompt_logprobs == [None] and [len(u) for u in seq.unread_scores] == [16, 16]
+    assert seq.num_prompt_scored == 33 and seq.num_output_tokens == 0
+    while seq.num_output_tokens == 0:
+        llm.engine.step()
+    assert seq.unread_scores == [] and len(seq.prompt_logprobs) == 45
+    out = type("Out", (), {"prompt_logprobs": seq.prompt_logprobs})
+    assert_matches(out, ids, reference(hf_embedded, ids))
+    while llm.engine.has_unfinished():
+        llm.engine.step()

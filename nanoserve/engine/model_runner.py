@@ -16,8 +16,13 @@ from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
-from nanoserve.engine.prompt_logprobs import PromptScores, split_scores
-from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device, to_host
+from nanoserve.engine.prompt_logprobs import (
+    ROWS_PER_HEAD_CALL,
+    read_scores,
+    score_rows,
+    slice_scores,
+)
+from nanoserve.engine.sampler import build_sampling_tensors, sample, sample_on_device
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_executor import StepExecutor, StepState
@@ -29,7 +34,6 @@ from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.decoder import CausalLM
 from nanoserve.models.loader import load_model
-from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -181,7 +185,10 @@ class ModelRunner:
         ctx = inputs.context()
         self.backend.prepare(ctx)
         with forward_context(ctx):
-            self.model.head(self.model(inputs.input_ids, inputs.positions)[-1:])
+            hidden = self.model(inputs.input_ids, inputs.positions)
+            rows = torch.arange(min(n, ROWS_PER_HEAD_CALL), device=self.device)
+            # the largest head call a step makes: prompt scoring's
+            score_rows(self.model.head, hidden, None, rows, torch.zeros_like(rows), 1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del scratch
@@ -199,29 +206,25 @@ class ModelRunner:
         graphs = self._graphs_for(batch.is_prefill, n)
         step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None)
         logits, inputs = self._forward_everywhere(step)
-        if inputs.prompt_scores is not None:
-            batch.prompt_logprobs = self._prompt_logprobs(step, inputs.prompt_scores, batch)
+        scores = [None] * n if inputs.prompt_scores is None else slice_scores(
+            inputs.prompt_scores, step.arrays["score_ids"].tolist(), step.score_counts,
+            [s.params.prompt_logprobs for s in batch.seqs])
         seqs = [s for s, yes in zip(batch.seqs, step.samples, strict=True) if yes]
-        if not seqs:
+        if not seqs:  # nothing read back: prompt scores stay on the device for now
+            batch.unread_scores = scores
             return [None] * n
         # logits come from the model's dtype: a half-precision model's are exact in it
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
                                                     self.inputs.pin, self.token_stats),
                      key_dtype)
+        if any(scores) or any(s.unread_scores for s in batch.seqs):  # the step has synchronized
+            batch.prompt_logprobs = read_scores([s.unread_scores + ([u] if u else [])
+                                                 for s, u in zip(batch.seqs, scores, strict=True)])
         tokens = iter(out.token_ids)
         logprobs = iter(out.logprobs or [None] * len(seqs))
         batch.logprobs = [next(logprobs) if yes else None for yes in step.samples]
         return [next(tokens) if yes else None for yes in step.samples]
-
-    @staticmethod
-    def _prompt_logprobs(step: HostStep, scores: PromptScores, batch: Batch
-                         ) -> list[list[TokenLogprobs]]:
-        """The scored prompt tokens' logprobs per sequence (reads them: one synchronization,
-        in a prefill step, which reads its sampled tokens anyway)."""
-        host = PromptScores(*to_host(scores.logprobs, scores.top_logprobs, scores.top_ids))
-        return split_scores(host, step.arrays["score_ids"].tolist(), step.score_counts,
-                            [s.params.prompt_logprobs for s in batch.seqs])
 
     def _forward_everywhere(self, step: HostStep, in_flight: InFlightTokens | None = None
                             ) -> tuple[torch.Tensor, StepInputs]:

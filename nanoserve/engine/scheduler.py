@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nanoserve.engine.prompt_logprobs import UnreadScores
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.errors import InvalidParameter
 from nanoserve.kv.pages import pages_needed
@@ -37,8 +38,11 @@ class Batch:
     num_decode: int = 0  # a mixed step's first seqs decode (one token each); the rest prefill
     # set by the model runner: per sequence, the sampled token's logprobs where asked for
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # set by the model runner: per sequence, the prompt tokens' logprobs this step computed
+    # set by the model runner, per sequence: the prompt tokens' logprobs this step read (its
+    # own and those earlier steps left unread), or, in a step that reads nothing, those it
+    # computed, on the device
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    unread_scores: list[UnreadScores | None] = field(default_factory=list)
 
 
 class Scheduler:
@@ -211,15 +215,19 @@ class Scheduler:
         finished = []
         now = time.perf_counter()
         logprobs = batch.logprobs or [None] * len(batch.seqs)
-        scored = batch.prompt_logprobs or [[]] * len(batch.seqs)
-        for seq, n, tok, lp, prompt_lps in zip(batch.seqs, batch.num_new_tokens, tokens,
-                                               logprobs, scored, strict=True):
+        read = batch.prompt_logprobs or [None] * len(batch.seqs)
+        unread = batch.unread_scores or [None] * len(batch.seqs)
+        for seq, n, tok, lp, prompt_lps, scores in zip(batch.seqs, batch.num_new_tokens, tokens,
+                                                       logprobs, read, unread, strict=True):
             if seq.is_finished:
                 continue  # it stopped in the step before, read back after this one launched
             seq.num_cached += n
             self.kv.cache_full_pages(seq)
-            if prompt_lps:
-                seq.prompt_logprobs += prompt_lps
+            if prompt_lps is not None and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs += prompt_lps  # the unread ones included
+                seq.unread_scores = []
+            elif scores is not None:
+                seq.unread_scores.append(scores)
             if tok is None:
                 continue  # a prompt chunk that did not reach the prompt's end
             if seq.logprobs is not None and lp is not None:

@@ -6,6 +6,7 @@ import itertools
 import time
 from enum import Enum
 
+from nanoserve.engine.prompt_logprobs import UnreadScores
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class Sequence:
         # one entry per prompt token scored so far; the first token has no logprob (None)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        # the prompt tokens scored after those, not read from the device yet (in order)
+        self.unread_scores: list[UnreadScores] = []
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None  # queue time ends here
         self.first_token_time: float | None = None
@@ -66,11 +69,18 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_prompt_scored(self) -> int:
+        """Prompt tokens whose logprob is computed (the first, which has none, counted)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_logprobs) + sum(len(u) for u in self.unread_scores)
+
+    @property
     def scores_prompt(self) -> bool:
         """Some prompt token still needs its logprob: its prefill must compute every prompt
         position itself (the prefix cache keeps KV, not the hidden states logprobs come from)."""
         return self.prompt_logprobs is not None and \
-            len(self.prompt_logprobs) < self.num_prompt_tokens
+            self.num_prompt_scored < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

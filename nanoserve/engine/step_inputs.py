@@ -182,7 +182,7 @@ class StepInputBuilder:
             start, end = s.num_cached, s.num_cached + n
             # prompt tokens not scored yet whose predecessor is in this chunk (after a
             # preemption the recomputed ones are scored once only)
-            lo, hi = (max(start, len(s.prompt_logprobs) - 1), min(end, s.num_prompt_tokens - 1)) \
+            lo, hi = (max(start, s.num_prompt_scored - 1), min(end, s.num_prompt_tokens - 1)) \
                 if s.prompt_logprobs is not None else (0, 0)
             score_counts.append(max(0, hi - lo))
             if hi > lo:
