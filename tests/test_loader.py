@@ -115,8 +115,10 @@ SHIPPED_NOTE = ("shipped configs for --dummy-weights: ['Llama-3.1-8B', 'Mistral-
     ("Qwen3-8B", ValueError, "model 'Qwen3-8B' is neither a local directory nor a Hugging "
      "Face hub id (owner/name): a hub id is owner/name, with exactly one '/'; 'Qwen3-8B' is a "
      "shipped config: add --dummy-weights to run its shape with random weights"),
-    ("../x", FileNotFoundError, "model directory '../x' does not exist (and a path is not a "
-     f"Hugging Face hub id, owner/name); {SHIPPED_NOTE}"),
+    # a relative path that climbs out of the checkout, and that no machine has
+    ("../nanoserve-no-such-model", FileNotFoundError, "model directory "
+     "'../nanoserve-no-such-model' does not exist (and a path is not a Hugging Face hub id, "
+     f"owner/name); {SHIPPED_NOTE}"),
 ])
 def test_nonsense_ids_are_clear_errors(monkeypatch, model, error, message):
     def no_hub(*a, **k):
