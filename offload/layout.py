@@ -62,11 +62,16 @@ class PageLayout:
             rows = rows[..., :self.values_bytes].view(self.dtype)
         return rows.unflatten(-1, (self.page_size, self.num_kv_heads, self.head_dim))
 
+    @property
+    def scales_start(self) -> int:
+        """Byte offset of the scales in a row (0 when unscaled)."""
+        return _align(self.values_bytes) if self.scaled else 0
+
     def scales(self, rows: torch.Tensor) -> torch.Tensor | None:
         """rows [..., page, row] -> the scales [..., page, page_size, kv_heads]; None when
         unscaled."""
         if not self.scaled:
             return None
-        start = _align(self.values_bytes)
+        start = self.scales_start
         return rows[..., start:start + self.scales_bytes].view(SCALE_DTYPE) \
             .unflatten(-1, (self.page_size, self.num_kv_heads))

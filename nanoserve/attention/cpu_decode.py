@@ -1,0 +1,98 @@
+"""Decode attention on the CPU over one layer of paged host KV (the offload tier's layout), for a
+token range of each sequence: the CPU's share of a streamed layer, whose partial result merges
+with the GPU's by log-sum-exp (attention/prefill.merge_partials), exactly.
+
+Two kernels, registered by name: `cpp` (csrc/cpu_decode.cpp, built at first use through torch's
+cpp_extension: one pass over the KV, converted in registers, bf16 / fp16 / fp32 / FP8 e4m3 with
+its scales, a thread per (sequence, kv head)) and `torch` (the reference: gather, dequantize,
+float32 matmuls), which `auto` falls back to where no compiler builds the first, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from nanoserve.kv.fp8_format import FP8
+from offload import PageLayout
+
+log = logging.getLogger("nanoserve")
+
+KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, FP8: 3}
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+
+# q [B, Hq, D] f32, one layer's rows [2, pages, row], page table int32 [B, W], starts and ends
+# int32 [B], the layout, the softmax scale -> (o [B, Hq, D] f32, lse [B, Hq] f32)
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def decode_torch(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
+                 page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: each sequence's tokens gathered, dequantized, attended in float32."""
+    b, hq, d = q.shape
+    group = hq // layout.num_kv_heads
+    k_all, v_all = layout.values(layer_kv)
+    scales = layout.scales(layer_kv)
+    out = torch.zeros(b, hq, d)
+    lse = torch.full((b, hq), -math.inf)
+    for i in range(b):
+        lo, hi = int(starts[i]), int(ends[i])
+        if hi <= lo:
+            continue
+        t = torch.arange(lo, hi)
+        pages, rows = page_table[i].long()[t // layout.page_size], t % layout.page_size
+        k, v = (x[pages, rows].float() for x in (k_all, v_all))  # [T, Hkv, D]
+        if scales is not None:
+            k = k * scales[0][pages, rows][..., None]
+            v = v * scales[1][pages, rows][..., None]
+        qi = q[i].view(layout.num_kv_heads, group, d)
+        s = torch.einsum("hgd,thd->hgt", qi, k) * scale
+        lse[i] = s.logsumexp(-1).reshape(hq)
+        out[i] = torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hq, d)
+    return out, lse
+
+
+@cache
+def _extension():
+    """The compiled kernel's module, or None (logged once) where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load("nanoserve_cpu_decode", [str(SOURCE)], verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
+                                  "-fno-signed-zeros", "-fno-trapping-math"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no ninja, a build error: the reference still runs
+        log.warning("CPU attention: the C++ kernel could not be built (%s: %s); using torch's "
+                    "kernels, several times slower", type(e).__name__, str(e)[:200])
+        return None
+
+
+def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
+               page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the C++ CPU attention kernel is not available on this machine")
+    return tuple(ext.decode(q.contiguous(), layer_kv.contiguous(), page_table.contiguous(),
+                            starts, ends, KINDS[layout.dtype], layout.page_size,
+                            layout.num_kv_heads, layout.scales_start, scale))
+
+
+KERNELS: dict[str, Kernel] = {"cpp": decode_cpp, "torch": decode_torch}
+
+
+def cpu_decode_kernel(name: str = "auto") -> tuple[str, Kernel]:
+    """The kernel called `name`; `auto`: cpp where it builds, else torch."""
+    if name == "auto":
+        name = "cpp" if _extension() is not None else "torch"
+    if name not in KERNELS:
+        raise ValueError(f"unknown CPU attention kernel {name!r}; choose from "
+                         f"{', '.join(['auto', *KERNELS])}")
+    return name, KERNELS[name]

@@ -1,0 +1,118 @@
+"""CPU decode attention over paged host KV (nanoserve/attention/cpu_decode.py): both kernels
+against a float64 reference, for bf16, fp16, fp32 and FP8 (e4m3 with its scales) pages, GQA,
+a batch whose sequences attend token ranges that start and end mid-page (and an empty one),
+and the split of a context's tokens between two calls merging to the whole, exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanoserve.attention.cpu_decode import _extension, cpu_decode_kernel, decode_torch
+from nanoserve.attention.prefill import merge_partials
+from nanoserve.kv.fp8 import quantize
+from nanoserve.kv.fp8_format import FP8
+from nanoserve.kv.spec import KVSpec
+
+PAGE, KV_HEADS, Q_HEADS, D, PAGES = 16, 2, 8, 64, 24
+SCALE = 1 / math.sqrt(D)
+RANGES = [(0, 100), (5, 77), (30, 30), (17, 160)]  # [start, end) per sequence; one empty
+
+
+def make_layer(dtype: torch.dtype, seed: int = 0) -> tuple[KVSpec, torch.Tensor]:
+    """One layer's host rows [2, pages, row], filled with random K and V (FP8: quantized,
+    a scale per token and kv head)."""
+    spec = KVSpec(1, PAGE, KV_HEADS, D, dtype)
+    g = torch.Generator().manual_seed(seed)
+    rows = spec.empty(1, PAGES, torch.device("cpu"))[0]
+    k, v, k_scale, v_scale = spec.views(rows)
+    for values, scales in ((k, k_scale), (v, v_scale)):
+        x = torch.randn(values.shape, generator=g) * 2
+        if dtype == FP8:
+            q, s = quantize(x)
+            values.copy_(q)
+            scales.copy_(s)
+        else:
+            values.copy_(x.to(dtype))
+    return spec, rows
+
+
+def inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(RANGES), Q_HEADS, D, generator=g)
+    width = -(-max(e for _, e in RANGES) // PAGE)
+    table = torch.stack([torch.randperm(PAGES, generator=g)[:width] for _ in RANGES]).int()
+    starts = torch.tensor([s for s, _ in RANGES], dtype=torch.int32)
+    ends = torch.tensor([e for _, e in RANGES], dtype=torch.int32)
+    return q, table, starts, ends
+
+
+def reference(spec: KVSpec, rows, q, table, starts, ends):
+    """float64, from the dequantized values, one sequence and query head at a time."""
+    k, v, k_scale, v_scale = spec.views(rows)
+    k, v = k.double(), v.double()
+    if k_scale is not None:
+        k, v = k * k_scale[..., None].double(), v * v_scale[..., None].double()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+    for b, (lo, hi) in enumerate(RANGES):
+        if hi <= lo:
+            continue
+        t = torch.arange(lo, hi)
+        pages, r = table[b].long()[t // PAGE], t % PAGE
+        for h in range(Q_HEADS):
+            kv_head = h // (Q_HEADS // KV_HEADS)
+            s = (k[pages, r, kv_head] @ q[b, h].double()) * SCALE
+            lse[b, h] = s.logsumexp(0)
+            out[b, h] = s.softmax(0) @ v[pages, r, kv_head]
+    return out, lse
+
+
+def kernels() -> list[str]:
+    return ["torch", "cpp"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
+@pytest.mark.parametrize("name", kernels())
+def test_kernels_match_float64(name, dtype):
+    if name == "cpp" and _extension() is None:
+        pytest.skip("no C++ compiler here: the torch kernel serves (tested above)")
+    spec, rows = make_layer(dtype)
+    q, table, starts, ends = inputs()
+    _, kernel = cpu_decode_kernel(name)
+    out, lse = kernel(q, rows, spec.layout, table, starts, ends, SCALE)
+    ref_out, ref_lse = reference(spec, rows, q, table, starts, ends)
+    empty = [i for i, (s, e) in enumerate(RANGES) if e <= s]
+    assert torch.isinf(lse[empty]).all() and (out[empty] == 0).all()
+    full = [i for i, (s, e) in enumerate(RANGES) if e > s]
+    assert (out[full].double() - ref_out[full]).abs().max().item() < 1e-4
+    assert (lse[full].double() - ref_lse[full]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", kernels())
+def test_a_split_context_merges_to_the_whole(name):
+    """The CPU's share [start, m) and the rest [m, end) merge by log-sum-exp to [start, end):
+    no token is lost or counted twice."""
+    if name == "cpp" and _extension() is None:
+        pytest.skip("no C++ compiler here: the torch kernel serves")
+    spec, rows = make_layer(FP8, seed=3)
+    q, table, starts, ends = inputs(seed=4)
+    _, kernel = cpu_decode_kernel(name)
+    whole, whole_lse = kernel(q, rows, spec.layout, table, starts, ends, SCALE)
+    mid = torch.div(starts + ends, 2, rounding_mode="floor").int()
+    a, a_lse = kernel(q, rows, spec.layout, table, starts, mid, SCALE)
+    b, b_lse = kernel(q, rows, spec.layout, table, mid, ends, SCALE)
+    full = [i for i, (s, e) in enumerate(RANGES) if e - s >= 2]
+    merged = merge_partials(a[full], a_lse[full], b[full], b_lse[full])
+    assert (merged - whole[full]).abs().max().item() < 1e-5
+    assert (torch.logaddexp(a_lse, b_lse)[full] - whole_lse[full]).abs().max().item() < 1e-5
+
+
+def test_the_reference_kernel_is_the_fallback_and_names_are_checked():
+    name, kernel = cpu_decode_kernel("auto")
+    assert name == ("cpp" if _extension() is not None else "torch")
+    assert cpu_decode_kernel("torch")[1] is decode_torch
+    with pytest.raises(ValueError, match="unknown CPU attention kernel 'avx'"):
+        cpu_decode_kernel("avx")
