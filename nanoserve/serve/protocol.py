@@ -443,8 +443,10 @@ def echoed_logprobs(ids: list[int], items: list[TokenLogprobs | None], starts: l
                     token_text) -> dict[str, Any]:
     """An echoed prompt's tokens in the completions shape: a token without a logprob (the
     first: nothing comes before it) has null for its logprob and its top_logprobs, as OpenAI
-    and vLLM send."""
-    items = [items[i] if i < len(items) else None for i in range(len(ids))]
+    and vLLM send. `items`: one per prompt token (the engine scores every one before the first
+    output token)."""
+    if len(items) != len(ids):
+        raise RuntimeError(f"{len(items)} prompt logprobs for {len(ids)} prompt tokens")
     return {"tokens": [token_text(t)[0] for t in ids],
             "token_logprobs": [None if t is None else _lp(t.logprob) for t in items],
             "top_logprobs": [None if t is None else _top(t, token_text) for t in items],
