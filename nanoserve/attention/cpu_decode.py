@@ -33,13 +33,14 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def decode_torch(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
                  page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: each sequence's tokens gathered, dequantized, attended in float32."""
     b, hq, d = q.shape
     group = hq // layout.num_kv_heads
     k_all, v_all = layout.values(layer_kv)
     scales = layout.scales(layer_kv)
-    out = torch.zeros(b, hq, d)
+    o = torch.zeros(b, hq, d)
     lse = torch.full((b, hq), -math.inf)
     for i in range(b):
         lo, hi = int(starts[i]), int(ends[i])
@@ -54,8 +55,12 @@ def decode_torch(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
         qi = q[i].view(layout.num_kv_heads, group, d)
         s = torch.einsum("hgd,thd->hgt", qi, k) * scale
         lse[i] = s.logsumexp(-1).reshape(hq)
-        out[i] = torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hq, d)
-    return out, lse
+        o[i] = torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hq, d)
+    if out is not None:
+        out[0].copy_(o)
+        out[1].copy_(lse)
+        return out
+    return o, lse
 
 
 @cache
@@ -76,13 +81,18 @@ def _extension():
 
 def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
                page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out: (o, lse) to write into (pinned buffers on the offloaded path)."""
     ext = _extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is not available on this machine")
-    return tuple(ext.decode(q.contiguous(), layer_kv.contiguous(), page_table.contiguous(),
-                            starts, ends, KINDS[layout.dtype], layout.page_size,
-                            layout.num_kv_heads, layout.scales_start, scale))
+    q = q.contiguous()
+    o, lse = out if out is not None else (torch.empty_like(q), q.new_empty(q.shape[:2]))
+    ext.decode(q, layer_kv.contiguous(), page_table.contiguous(), starts, ends,
+               KINDS[layout.dtype], layout.page_size, layout.num_kv_heads, layout.scales_start,
+               scale, o, lse)
+    return o, lse
 
 
 KERNELS: dict[str, Kernel] = {"cpp": decode_cpp, "torch": decode_torch}

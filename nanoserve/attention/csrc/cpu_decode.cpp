@@ -2,12 +2,24 @@
 // layout: [2 (K, V), page, page row]; a row holds [page_size, kv_heads, head_dim] values, then,
 // for FP8, one float32 scale per token and kv head). Each sequence attends the tokens
 // [start, end) of its context, so a layer's tokens can be split between the CPU and the GPU and
-// the two partial results merged by their log-sum-exp. Returns the normalized output and the
+// the two partial results merged by their log-sum-exp. Writes the normalized output and the
 // natural-log LSE per query head; an empty range gives zeros and -inf.
+//
+// The work is memory-bound (a 32K layer of an 8-kv-head, d=128 model is 134 MB of bf16 KV
+// against ~0.5 GFLOP), so it is laid out for the memory system: each job takes a run of one
+// sequence's tokens and reads them in the order they lie (a block of up to 16 tokens of a page,
+// every kv head of it), converting in registers; jobs' partial results merge by their LSE at the
+// end. With AVX-512 the loops are written with intrinsics (FP8 e4m3 goes through float16 by bit
+// placement, exact, and the hardware's float16 conversion); elsewhere plain loops.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define NS_AVX512 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -19,49 +31,237 @@
 namespace {
 
 enum Kind { BF16 = 0, F16 = 1, F32 = 2, FP8 = 3 };
+constexpr int BLOCK = 16;  // tokens per block: one vector of scores
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// one token's K (or V) of one kv head, as float32
-inline void load_row(const uint8_t* p, int kind, int d, float scale, float* out) {
+struct Geometry {
+  int64_t q_heads, kv_heads, group, d, page_size, row_bytes, elem, scales_offset;
+  const uint8_t* k_base;
+  const uint8_t* v_base;
+  int kind;
+  float sm_scale, value_mul;  // value_mul: FP8's values come out 2^-8 too small (below)
+};
+
+// A job's running state per query head: unnormalized output, max score, sum of exps.
+struct Partial {
+  std::vector<float> acc, m, l;
+  Partial(int64_t q_heads, int64_t d) : acc(q_heads * d, 0.f), m(q_heads, NEG_INF),
+                                        l(q_heads, 0.f) {}
+};
+
+inline float scalar_load(const uint8_t* p, int kind, int64_t i) {
   switch (kind) {
     case BF16: {
-      const uint16_t* x = reinterpret_cast<const uint16_t*>(p);
-      for (int i = 0; i < d; ++i) {
-        uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-        std::memcpy(&out[i], &bits, 4);
-      }
-      break;
+      uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
     }
-    case F16: {
-      const c10::Half* x = reinterpret_cast<const c10::Half*>(p);
-      for (int i = 0; i < d; ++i) out[i] = static_cast<float>(x[i]);
-      break;
-    }
+    case F16:
+      return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
     case F32:
-      std::memcpy(out, p, d * sizeof(float));
-      break;
+      return reinterpret_cast<const float*>(p)[i];
     default: {
-      // e4m3 bits s.eeee.mmm placed in a float32's sign, low exponent and high mantissa bits
-      // give the value times 2^-120 (subnormals too: bias 7 against 127), so one multiply by
-      // scale * 2^120 finishes it; integer ops and a multiply, vectorized (a table lookup is
-      // a gather per element)
-      const float mul = scale * 0x1p120f;
-      for (int i = 0; i < d; ++i) {
-        const uint32_t x = p[i];
-        const uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7fu) << 20);
-        float f;
-        std::memcpy(&f, &bits, 4);
-        out[i] = f * mul;
-      }
+      // e4m3 s.eeee.mmm placed in a float16's sign, low exponent and high mantissa bits is the
+      // value times 2^-8, subnormals included (bias 7 against 15): exact
+      const uint16_t x = p[i];
+      const uint16_t h = static_cast<uint16_t>(((x & 0x80u) << 8) | ((x & 0x7fu) << 7));
+      return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
     }
   }
 }
 
+inline float token_scale(const Geometry& g, const uint8_t* row, int64_t r, int64_t h) {
+  if (g.kind != FP8) return 1.f;
+  float s;
+  std::memcpy(&s, row + g.scales_offset + (r * g.kv_heads + h) * 4, 4);
+  return s * g.value_mul;
+}
+
+// Online-softmax update of one query head with a block's scores s[0, n): rescales acc by
+// exp(m - m_new) and turns s into the block's probabilities.
+inline void softmax_block(float* s, int64_t n, float& m, float& l, float* acc, int64_t d) {
+  float block_max = NEG_INF;
+  for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(m, block_max);
+  const float c = std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m_new);
+    sum += s[j];
+  }
+  for (int64_t i = 0; i < d; ++i) acc[i] *= c;
+  l = l * c + sum;
+  m = m_new;
+}
+
+// The portable job: plain loops over one block at a time.
+void run_job_generic(const Geometry& g, const float* q, const int32_t* table, int64_t lo,
+                     int64_t hi, Partial& part) {
+  std::vector<float> s(BLOCK), vs(BLOCK);
+  for (int64_t t0 = lo; t0 < hi;) {
+    const int64_t page = table[t0 / g.page_size], r0 = t0 % g.page_size;
+    const int64_t n = std::min<int64_t>({BLOCK, g.page_size - r0, hi - t0});
+    const uint8_t* k_row = g.k_base + page * g.row_bytes;
+    const uint8_t* v_row = g.v_base + page * g.row_bytes;
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      for (int64_t qh = h * g.group; qh < (h + 1) * g.group; ++qh) {
+        const float* qv = q + qh * g.d;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t r = r0 + j;
+          const uint8_t* k = k_row + (r * g.kv_heads + h) * g.d * g.elem;
+          float dot = 0.f;
+          for (int64_t i = 0; i < g.d; ++i) dot += qv[i] * scalar_load(k, g.kind, i);
+          s[j] = dot * token_scale(g, k_row, r, h) * g.sm_scale;
+        }
+        float* acc = part.acc.data() + qh * g.d;
+        softmax_block(s.data(), n, part.m[qh], part.l[qh], acc, g.d);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t r = r0 + j;
+          const uint8_t* v = v_row + (r * g.kv_heads + h) * g.d * g.elem;
+          const float p = s[j] * token_scale(g, v_row, r, h);
+          for (int64_t i = 0; i < g.d; ++i) acc[i] += p * scalar_load(v, g.kind, i);
+        }
+      }
+    }
+    t0 += n;
+  }
+}
+
+#ifdef NS_AVX512
+// 16 values of K or V at p (element i0 on), as float32
+template <int KIND>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (KIND == BF16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  } else if constexpr (KIND == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (KIND == F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {  // e4m3 -> float16 bits (scalar_load says why) -> float32
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max), relative error ~2e-7; -inf and anything
+// below -87 give 0
+inline __m512 exp16(__m512 x) {
+  const __m512 zero_below = _mm512_set1_ps(-87.f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, zero_below, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, zero_below);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+
+// The vectorized job for head_dim D and group size up to 8 (the q heads of one kv head keep
+// their partial dots in registers).
+template <int KIND, int D>
+void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int64_t lo,
+                    int64_t hi, Partial& part) {
+  constexpr int C = D / 16;  // vectors per head_dim
+  const int64_t G = g.group;
+  alignas(64) float s[8][BLOCK];
+  alignas(64) float vscale[BLOCK];
+  for (int64_t t0 = lo; t0 < hi;) {
+    const int64_t page = table[t0 / g.page_size], r0 = t0 % g.page_size;
+    const int64_t n = std::min<int64_t>({BLOCK, g.page_size - r0, hi - t0});
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    const uint8_t* k_row = g.k_base + page * g.row_bytes;
+    const uint8_t* v_row = g.v_base + page * g.row_bytes;
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const float* qh = q + h * G * D;
+      // scores: each token's K converted once, dotted with every q head of the group
+      for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* k = k_row + ((r0 + j) * g.kv_heads + h) * D * g.elem;
+        __m512 dot[8];
+        for (int64_t gi = 0; gi < G; ++gi) dot[gi] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m512 kc = load16<KIND>(k + c * 16 * g.elem);
+          for (int64_t gi = 0; gi < G; ++gi)
+            dot[gi] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + gi * D + c * 16), kc, dot[gi]);
+        }
+        const float ks = token_scale(g, k_row, r0 + j, h) * g.sm_scale;
+        for (int64_t gi = 0; gi < G; ++gi) s[gi][j] = _mm512_reduce_add_ps(dot[gi]) * ks;
+      }
+      for (int64_t j = 0; j < n; ++j) vscale[j] = token_scale(g, v_row, r0 + j, h);
+      const __m512 vs = _mm512_maskz_loadu_ps(valid, vscale);
+      // online softmax per q head, vectorized over the block's tokens
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t qi = h * G + gi;
+        const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), valid, s[gi]);
+        const float m_new = std::max(part.m[qi], _mm512_reduce_max_ps(sv));
+        const __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+        const float c = std::exp(part.m[qi] - m_new);
+        part.l[qi] = part.l[qi] * c + _mm512_reduce_add_ps(p);
+        part.m[qi] = m_new;
+        _mm512_store_ps(s[gi], _mm512_mul_ps(p, vs));  // V's scale folded into p
+        float* acc = part.acc.data() + qi * D;
+        const __m512 cv = _mm512_set1_ps(c);
+        for (int i = 0; i < C; ++i)
+          _mm512_storeu_ps(acc + i * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + i * 16), cv));
+      }
+      // acc += p . V, a vector of head_dim at a time, every q head of the group at once
+      for (int c = 0; c < C; ++c) {
+        __m512 a[8];
+        for (int64_t gi = 0; gi < G; ++gi)
+          a[gi] = _mm512_loadu_ps(part.acc.data() + (h * G + gi) * D + c * 16);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 vc =
+              load16<KIND>(v_row + ((r0 + j) * g.kv_heads + h) * D * g.elem + c * 16 * g.elem);
+          for (int64_t gi = 0; gi < G; ++gi)
+            a[gi] = _mm512_fmadd_ps(_mm512_set1_ps(s[gi][j]), vc, a[gi]);
+        }
+        for (int64_t gi = 0; gi < G; ++gi)
+          _mm512_storeu_ps(part.acc.data() + (h * G + gi) * D + c * 16, a[gi]);
+      }
+    }
+    t0 += n;
+  }
+}
+
+using JobFn = void (*)(const Geometry&, const float*, const int32_t*, int64_t, int64_t,
+                       Partial&);
+
+template <int KIND>
+JobFn pick_d(int64_t d) {
+  switch (d) {
+    case 64: return run_job_avx512<KIND, 64>;
+    case 128: return run_job_avx512<KIND, 128>;
+    case 256: return run_job_avx512<KIND, 256>;
+    default: return nullptr;
+  }
+}
+
+JobFn pick_avx512(int kind, int64_t d, int64_t group) {
+  if (group > 8) return nullptr;
+  switch (kind) {
+    case BF16: return pick_d<BF16>(d);
+    case F16: return pick_d<F16>(d);
+    case F32: return pick_d<F32>(d);
+    default: return pick_d<FP8>(d);
+  }
+}
+#endif
+
 }  // namespace
 
-std::vector<torch::Tensor> decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
-                                  torch::Tensor starts, torch::Tensor ends, int64_t kind,
-                                  int64_t page_size, int64_t num_kv_heads,
-                                  int64_t scales_offset, double sm_scale) {
+void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::Tensor starts,
+            torch::Tensor ends, int64_t kind, int64_t page_size, int64_t num_kv_heads,
+            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
               "q: contiguous float32 [batch, q_heads, head_dim]");
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 3, "kv: contiguous [2, pages, row]");
@@ -69,96 +269,88 @@ std::vector<torch::Tensor> decode(torch::Tensor q, torch::Tensor kv, torch::Tens
               "page_table: contiguous int32");
   TORCH_CHECK(starts.dtype() == torch::kInt32 && ends.dtype() == torch::kInt32,
               "starts, ends: int32");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() &&
+              out.sizes() == q.sizes(), "out: contiguous float32 like q");
+  TORCH_CHECK(lse.dtype() == torch::kFloat32 && lse.is_contiguous() && lse.dim() == 2 &&
+              lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "lse: contiguous float32 [batch, q_heads]");
   const int64_t batch = q.size(0), q_heads = q.size(1), d = q.size(2);
   TORCH_CHECK(q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads");
-  const int64_t group = q_heads / num_kv_heads;
-  const int64_t num_pages = kv.size(1);
-  const int64_t row_bytes = kv.size(2) * kv.element_size();
-  const int64_t elem = kind == BF16 || kind == F16 ? 2 : (kind == F32 ? 4 : 1);
+  Geometry g;
+  g.q_heads = q_heads;
+  g.kv_heads = num_kv_heads;
+  g.group = q_heads / num_kv_heads;
+  g.d = d;
+  g.page_size = page_size;
+  g.row_bytes = kv.size(2) * kv.element_size();
+  g.elem = kind == BF16 || kind == F16 ? 2 : (kind == F32 ? 4 : 1);
+  g.scales_offset = scales_offset;
+  g.kind = static_cast<int>(kind);
+  g.sm_scale = static_cast<float>(sm_scale);
+  g.value_mul = kind == FP8 ? 256.f : 1.f;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(kv.data_ptr());
-  const uint8_t* k_base = base;
-  const uint8_t* v_base = base + num_pages * row_bytes;
+  g.k_base = base;
+  g.v_base = base + kv.size(1) * g.row_bytes;
   const int32_t* table = page_table.data_ptr<int32_t>();
   const int64_t width = page_table.size(1);
   const int32_t* lo = starts.data_ptr<int32_t>();
   const int32_t* hi = ends.data_ptr<int32_t>();
   const float* qp = q.data_ptr<float>();
-  auto out = torch::zeros_like(q);
-  auto lse = torch::full({batch, q_heads}, -std::numeric_limits<float>::infinity(),
-                         q.options());
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  const float scale = static_cast<float>(sm_scale);
 
-  // Tokens go in blocks of one page's share: the block's K and V are converted once into
-  // float32 buffers, then every query head of the group takes its scores, one max and one
-  // rescale per block (online softmax), and the exp-weighted sum of V; the inner loops run
-  // over head_dim, contiguous, so the compiler vectorizes them.
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> kb(page_size * d), vb(page_size * d), p(page_size), acc(group * d),
-        m(group), l(group);
-    for (int64_t job = first; job < last; ++job) {
-      const int64_t b = job / num_kv_heads, h = job % num_kv_heads;
-      if (hi[b] <= lo[b]) continue;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const float* qh = qp + (b * q_heads + h * group) * d;
-      for (int64_t t0 = lo[b]; t0 < hi[b];) {
-        const int64_t page = table[b * width + t0 / page_size], r0 = t0 % page_size;
-        const int64_t n = std::min<int64_t>(page_size - r0, hi[b] - t0);
-        const uint8_t* k_row = k_base + page * row_bytes;
-        const uint8_t* v_row = v_base + page * row_bytes;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t r = r0 + j, at = (r * num_kv_heads + h) * d * elem;
-          float k_scale = 1.f, v_scale = 1.f;
-          if (kind == FP8) {
-            const int64_t so = scales_offset + (r * num_kv_heads + h) * 4;
-            std::memcpy(&k_scale, k_row + so, 4);
-            std::memcpy(&v_scale, v_row + so, 4);
-          }
-          load_row(k_row + at, kind, d, k_scale, kb.data() + j * d);
-          load_row(v_row + at, kind, d, v_scale, vb.data() + j * d);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qh + g * d;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
-            const float* kj = kb.data() + j * d;
-            float s = 0.f;
-            for (int64_t i = 0; i < d; ++i) s += qg[i] * kj[i];
-            p[j] = s * scale;
-            block_max = std::max(block_max, p[j]);
-          }
-          const float m_new = std::max(m[g], block_max);
-          const float c = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            p[j] = std::exp(p[j] - m_new);
-            sum += p[j];
-          }
-          float* a = acc.data() + g * d;
-          for (int64_t i = 0; i < d; ++i) a[i] *= c;
-          for (int64_t j = 0; j < n; ++j) {
-            const float* vj = vb.data() + j * d;
-            const float pj = p[j];
-            for (int64_t i = 0; i < d; ++i) a[i] += pj * vj[i];
-          }
-          l[g] = l[g] * c + sum;
-          m[g] = m_new;
-        }
-        t0 += n;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = b * q_heads + h * group + g;
-        for (int64_t i = 0; i < d; ++i) op[row * d + i] = acc[g * d + i] / l[g];
-        lp[row] = m[g] + std::log(l[g]);
-      }
+  // jobs: runs of one sequence's tokens, about four per thread over the whole batch
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += std::max(0, hi[b] - lo[b]);
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
+  chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
+  struct Job { int64_t b, lo, hi; };
+  std::vector<Job> jobs;
+  std::vector<int64_t> first_job(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_job[b] = static_cast<int64_t>(jobs.size());
+    for (int64_t t = lo[b]; t < hi[b]; t += chunk) jobs.push_back({b, t, std::min<int64_t>(t + chunk, hi[b])});
+  }
+  first_job[batch] = static_cast<int64_t>(jobs.size());
+
+  JobFn fn = run_job_generic;
+#ifdef NS_AVX512
+  if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
+#endif
+  std::vector<Partial> parts(jobs.size(), Partial(q_heads, d));
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t a, int64_t z) {
+    for (int64_t i = a; i < z; ++i) {
+      const Job& job = jobs[i];
+      fn(g, qp + job.b * q_heads * d, table + job.b * width, job.lo, job.hi, parts[i]);
     }
   });
-  return {out, lse};
+
+  // merge each sequence's jobs by their LSE
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < q_heads; ++h) {
+      float* o = op + (b * q_heads + h) * d;
+      float m = NEG_INF;
+      for (int64_t i = first_job[b]; i < first_job[b + 1]; ++i) m = std::max(m, parts[i].m[h]);
+      std::fill(o, o + d, 0.f);
+      if (m == NEG_INF) {
+        lp[b * q_heads + h] = NEG_INF;
+        continue;
+      }
+      float l = 0.f;
+      for (int64_t i = first_job[b]; i < first_job[b + 1]; ++i) {
+        const float w = std::exp(parts[i].m[h] - m);
+        l += parts[i].l[h] * w;
+        const float* acc = parts[i].acc.data() + h * d;
+        for (int64_t k = 0; k < d; ++k) o[k] += acc[k] * w;
+      }
+      for (int64_t k = 0; k < d; ++k) o[k] /= l;
+      lp[b * q_heads + h] = m + std::log(l);
+    }
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence");
+  m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
