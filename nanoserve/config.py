@@ -100,6 +100,11 @@ class EngineConfig:
     resident_layers: int | None = _field(None, "With offload: force this many layers resident "
                                          "(the rest stream) instead of as many as the GPU "
                                          "budget holds.", min=0)
+    cpu_attention: str = _field("off", "With offload, in decode: the CPU attends a share of "
+                                "each streamed layer's host KV straight from host memory while "
+                                "the rest crosses the link, exactly (the two merge by "
+                                "log-sum-exp). off; auto (the share from this host's CPU and "
+                                "link rates, measured at start); or a fraction in [0, 1].")
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -131,6 +136,12 @@ class EngineConfig:
               f"kv_cache_dtype must be auto, bfloat16 or fp8, got {self.kv_cache_dtype!r}")
         check(self.kv_cache_dtype != "fp8" or self.attention_backend != "flash",
               "kv_cache_dtype fp8: the flash attention backend reads no FP8 KV; use "
+              "attention_backend triton or auto")
+        check(self.cpu_attention in ("off", "auto") or _fraction(self.cpu_attention) is not None,
+              f"cpu_attention must be off, auto or a fraction in [0, 1], got "
+              f"{self.cpu_attention!r}")
+        check(self.cpu_attention == "off" or self.attention_backend != "flash",
+              "cpu_attention: the flash attention backend cannot merge a CPU share; use "
               "attention_backend triton or auto")
         check(self.moe_backend in MOE_BACKENDS, f"moe_backend must be one of {MOE_BACKENDS}")
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -174,11 +185,25 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     @property
+    def cpu_attention_fraction(self) -> float | None:
+        """cpu_attention as a fixed fraction; None for off and auto."""
+        return _fraction(self.cpu_attention)
+
+    @property
     def torch_kv_dtype(self) -> torch.dtype:
         """The stored KV values' dtype."""
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def _fraction(text: str) -> float | None:
+    """A fraction in [0, 1] written as text, or None."""
+    try:
+        x = float(text)
+    except (TypeError, ValueError):
+        return None
+    return x if 0.0 <= x <= 1.0 else None
 
 
 def config_default(name: str):

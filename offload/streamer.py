@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from offload.host_store import HostKVStore
@@ -42,6 +43,12 @@ class StepPlan:
     init_rows: torch.Tensor | None = None
     flush_pages: list[int] = field(default_factory=list)  # tails that fill in this step
     flush_rows: torch.Tensor | None = None  # on device: their tail rows
+    # decode with a CPU share (nanoserve/attention/cpu_share.py): each row's leading tokens
+    # the CPU attends from the host store (whole pages; load_runs skip them), None: no row
+    # has any; the page tables they are read through; each row's first token on the GPU
+    cpu_tokens: np.ndarray | None = None  # host, int32 [rows]
+    cpu_table: np.ndarray | None = None  # host, int32 [rows, width]
+    gpu_starts: torch.Tensor | None = None  # on device, int32 [rows]
 
 
 class LayerStreamer:

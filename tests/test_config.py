@@ -34,7 +34,8 @@ VALUES = {"model": ("some-model", "some-model"), "dtype": ("fp16", "float16"),
           "dummy_weights": (None, True),
           "seed": ("7", 7), "enable_prefix_caching": (None, False),
           "enable_offload": (None, True), "host_kv_budget_gib": ("2.5", 2.5),
-          "num_kv_buffers": ("3", 3), "resident_layers": ("1", 1)}
+          "num_kv_buffers": ("3", 3), "resident_layers": ("1", 1),
+          "cpu_attention": ("0.4", "0.4")}
 
 
 def option_name(f: dataclasses.Field) -> str:

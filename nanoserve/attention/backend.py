@@ -66,7 +66,30 @@ class AttentionBackend(ABC):
                               self.prefill(q[n:], k[n:], v[n:], layer, prefill)])
         if ctx.is_prefill:
             return self.prefill(q, k, v, layer, ctx)
+        if ctx.cpu_share is not None and layer.host_layer is not None:
+            return self.split_decode(q, layer, ctx)
         return self.decode(q, layer, ctx)
+
+    def split_decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
+        """Decode of a streamed layer whose rows' leading tokens the CPU attends from the host
+        store (attention/cpu_share.py): q to the host, the GPU's share enqueued, the CPU's
+        share, then the merge by log-sum-exp."""
+        share = ctx.cpu_share
+        share.send_q(q)
+        partial = self.decode_partial(q, layer, ctx, share.starts[:q.shape[0]])
+        o, lse = share.attend(layer.host_layer, q.shape[0])
+        return self.merge_decode(partial, o, lse, q)
+
+    def decode_partial(self, q, layer, ctx: ForwardContext, starts: torch.Tensor):
+        """Decode over each row's tokens [starts, context_lens), left for merge_decode."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CPU attention "
+                                  f"split; use triton or torch")
+
+    def merge_decode(self, partial, o: torch.Tensor, lse: torch.Tensor,
+                     q: torch.Tensor) -> torch.Tensor:
+        """decode_partial's result merged with another share's output and LSE ([rows, heads,
+        d], [rows, heads], float32): the layer's attention output, in q's dtype."""
+        raise NotImplementedError
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, layer, slot_mapping: torch.Tensor

@@ -37,7 +37,6 @@ def decode_torch(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: each sequence's tokens gathered, dequantized, attended in float32."""
     b, hq, d = q.shape
-    group = hq // layout.num_kv_heads
     k_all, v_all = layout.values(layer_kv)
     scales = layout.scales(layer_kv)
     o = torch.zeros(b, hq, d)
@@ -52,15 +51,24 @@ def decode_torch(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
         if scales is not None:
             k = k * scales[0][pages, rows][..., None]
             v = v * scales[1][pages, rows][..., None]
-        qi = q[i].view(layout.num_kv_heads, group, d)
-        s = torch.einsum("hgd,thd->hgt", qi, k) * scale
-        lse[i] = s.logsumexp(-1).reshape(hq)
-        o[i] = torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hq, d)
+        o[i], lse[i] = attend_with_lse(q[i], k, v, scale)
     if out is not None:
         out[0].copy_(o)
         out[1].copy_(lse)
         return out
     return o, lse
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's queries [Hq, d] over keys and values [T, Hkv, d] (GQA), float32: output
+    [Hq, d] and LSE [Hq]."""
+    hq, d = q.shape
+    hkv = k.shape[1]
+    qi = q.view(hkv, hq // hkv, d)
+    s = torch.einsum("hgd,thd->hgt", qi, k) * scale
+    return (torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(hq, d),
+            s.logsumexp(-1).reshape(hq))
 
 
 @cache

@@ -11,7 +11,12 @@ import torch
 from nanoserve import fused
 from nanoserve.attention.backend import AttentionBackend
 from nanoserve.attention.prefill import paged_prefill, use_varlen, varlen_prefill
-from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+from nanoserve.attention.triton_decode import (
+    decode_partials,
+    merge_partials,
+    num_splits_for,
+    paged_decode_attention,
+)
 from nanoserve.attention.triton_rope_store import rope_and_store
 from nanoserve.context import AttentionMetadata, ForwardContext
 
@@ -73,3 +78,11 @@ class TritonBackend(AttentionBackend):
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,
                                       ctx.context_lens, layer.scale, ctx.attn_meta.num_splits,
                                       k_scale=layer.k_scale, v_scale=layer.v_scale)
+
+    def decode_partial(self, q, layer, ctx: ForwardContext, starts: torch.Tensor):
+        return decode_partials(q, layer.k_cache, layer.v_cache, ctx.page_tables,
+                               ctx.context_lens, layer.scale, ctx.attn_meta.num_splits, starts,
+                               k_scale=layer.k_scale, v_scale=layer.v_scale)
+
+    def merge_decode(self, partial, o, lse, q):
+        return merge_partials(partial, torch.empty_like(q), (o, lse))

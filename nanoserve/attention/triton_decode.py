@@ -102,7 +102,7 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, MidO, MidLse, scale,
+    Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -114,14 +114,18 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx_len = tl.load(ContextLens + b)
+    # HAS_STARTS: the row attends tokens [start, ctx_len) (the CPU took those before)
+    start = tl.load(Starts + b) if HAS_STARTS else 0
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = s * per_split
+    first_tile = start // BLOCK_N
+    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + s * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -146,7 +150,7 @@ def _decode_split_kernel(
     page_row = PageTable + b.to(tl.int64) * stride_pt
     for t in range(tile_lo, tile_hi):
         tok = t * BLOCK_N + offs_n
-        n_mask = tok < ctx_len
+        n_mask = (tok < ctx_len) & (tok >= start)
         if TMA:  # the tile is one box of its page; rows past ctx_len are read, then masked
             first = (t * BLOCK_N) % PAGE_SIZE
             page_id = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE)
@@ -232,11 +236,13 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    MidO, MidLse, Out,
+    MidO, MidLse, ExtraO, ExtraLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, EXTRA: tl.constexpr,
 ):
+    """EXTRA: one more partial, contiguous [batch, heads, d] float32 and [batch, heads] (the
+    CPU's share of the row's tokens)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -246,12 +252,22 @@ def _merge_splits_kernel(
     lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if EXTRA:
+        heads = tl.num_programs(1)
+        x_lse = tl.load(ExtraLse + b * heads + h)
+        m = tl.maximum(m, x_lse)
     safe_m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - safe_m)
     w_sum = tl.sum(w, 0)
     o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
                 + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    o_sum = tl.sum(o * w[:, None], 0)
+    if EXTRA:
+        x_w = tl.exp(x_lse - safe_m)
+        x_o = tl.load(ExtraO + (b * heads + h) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        o_sum += x_o * x_w
+        w_sum += x_w
+    out = o_sum / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_mask)
 
@@ -264,6 +280,13 @@ def num_splits_for(batch: int, num_kv_heads: int, max_len: int, num_sms: int) ->
     return max(1, min(want, 128, triton.cdiv(max_len, BLOCK_N)))
 
 
+class Partials(NamedTuple):
+    """Stage 1's per-split results, before the merge: outputs [batch, heads, splits, d] and
+    log-sum-exps [batch, heads, splits], float32."""
+    o: torch.Tensor
+    lse: torch.Tensor
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int, out: torch.Tensor | None = None,
@@ -273,6 +296,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q: [batch, heads, d]; caches: [pages, page_size, kv_heads, d]; page_tables: [batch, n]
     int32; context_lens: [batch] int32 (>= 1 for every row); FP8 caches come with their scales
     [pages, page_size, kv_heads] (K's and V's share strides). Returns [batch, heads, d]."""
+    if out is None:
+        out = torch.empty_like(q)
+    parts = _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, out,
+                    k_scale, v_scale, tiles, None)
+    if parts is None:  # one split: stage 1 wrote the output
+        return out
+    return merge_partials(parts, out)
+
+
+def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    num_splits: int, starts: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    tiles: Tiles | None = None) -> Partials:
+    """Stage 1 over each row's tokens [starts, context_lens) (starts int32 [batch]), left
+    unmerged: merge_partials merges them with another share of the same rows."""
+    return _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, None,
+                   k_scale, v_scale, tiles, starts)
+
+
+def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, out, k_scale,
+            v_scale, tiles, starts) -> Partials | None:
+    """out given and one split: written directly, None returned."""
     batch, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -291,9 +337,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           for c in (k_cache, v_cache))
     else:  # never read
         k_desc = v_desc = k_cache
-    if out is None:
-        out = torch.empty_like(q)
-    direct = num_splits == 1  # the split kernel writes the output: no merge kernel
+    direct = num_splits == 1 and out is not None  # writes the output: no merge kernel
     mid_o = out.unsqueeze(2) if direct else \
         torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
     # one split stores no log-sum-exp: nothing to allocate
@@ -306,8 +350,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # the group is padded to an MMA's N (8) when transposed, to its M (16) otherwise
     block_g = max(8 if tiles.transposed else 16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens, mid_o,
-        mid_lse, scale,
+        q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens,
+        starts if starts is not None else context_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -319,17 +363,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
-        TRANSPOSED=tiles.transposed,
+        TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if direct:
-        return out
+    return None if direct else Partials(mid_o, mid_lse)
+
+
+def merge_partials(parts: Partials, out: torch.Tensor,
+                   extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Stage 2: the splits merged by their log-sum-exps into out [batch, heads, d], with
+    `extra` (output [batch, heads, d] and LSE [batch, heads], float32, contiguous: the CPU's
+    share of the same rows) merged in too."""
+    mid_o, mid_lse = parts
+    batch, heads, num_splits, d = mid_o.shape
+    x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
+    if extra is not None:
+        assert x_o.is_contiguous() and x_lse.is_contiguous() and x_o.dtype == torch.float32
     _merge_splits_kernel[(batch, heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), EXTRA=extra is not None, num_warps=4,
     )
     return out

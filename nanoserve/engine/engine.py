@@ -314,7 +314,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._launched is not None
 
     def describe_memory(self) -> str:
-        return self.kv.describe()
+        split = self.runner.cpu_split
+        return self.kv.describe() + ("" if split is None else "\n  " + split.describe())
 
     def decode_text(self, seq: Sequence) -> str:
         if seq.output_text is not None or self.tokenizer is None:

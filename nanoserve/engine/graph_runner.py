@@ -9,14 +9,84 @@ logits are ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
+from nanoserve.attention.cpu_share import CpuShare
 from nanoserve.context import ForwardContext, forward_context
 from nanoserve.engine.step_executor import StepExecutor, StepState
 from nanoserve.engine.step_inputs import StepInputs
 from nanoserve.kv.pages import DUMMY_PAGE
 from offload import StepPlan
+
+
+class GraphChain:
+    """One segment captured as CUDA graphs, cut where the CPU's attention share meets the
+    stream (attention/cpu_share.py): a streamed layer with a CPU share replays as graph, mark,
+    graph, host work, graph; any other segment as one graph."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.steps: list[Callable[[], None]] = []
+        self.stream = torch.cuda.Stream()
+
+    def capture(self, segment: Callable[[], None], share: CpuShare | None
+                ) -> Callable[[], None]:
+        """Captures `segment`, with `share`'s host syncs as cuts; returns its replay."""
+        eager = share.sync if share is not None else None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._begin()
+            if share is not None:
+                share.sync = _CuttingSync(self, eager.event)
+            try:
+                segment()
+            finally:
+                if share is not None:
+                    share.sync = eager
+            self._end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        steps = self.steps
+        if len(steps) == 1:
+            return steps[0]
+        return lambda: [step() for step in steps]
+
+    def _begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def _end(self) -> None:
+        self.graph.capture_end()
+        self.pool = self.graph.pool()
+        self.steps.append(self.graph.replay)
+
+    def cut(self, then: Callable[[], None]) -> None:
+        """Ends the graph so far; at replay, `then` runs after it, before the next graph."""
+        self._end()
+        self.steps.append(then)
+        self._begin()
+
+
+class _CuttingSync:
+    """CpuShare's sync while a segment is captured: the mark and the host's work become cuts
+    (EagerSync's, replayed between the graphs)."""
+
+    def __init__(self, chain: GraphChain, event: torch.cuda.Event) -> None:
+        self.chain, self.event = chain, event
+
+    def mark(self) -> None:
+        self.chain.cut(self.event.record)
+
+    def after_mark(self, work: Callable[[], None], wait: Callable[[], bool]) -> None:
+        event = self.event
+
+        def host() -> None:
+            if wait():
+                event.synchronize()
+            work()
+        self.chain.cut(host)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -45,12 +115,13 @@ class DecodeGraphRunner:
         if streamer is not None:
             self.tail_pages = torch.full((n,), DUMMY_PAGE, **i64)
             self.tail_rows = torch.full((n,), streamer.dummy_row, **i64)
-        self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], ForwardContext]] = {}
+        self.graphs: dict[int, tuple[list[Callable[[], None]], ForwardContext]] = {}
         pool = None
         for bs in tqdm(list(reversed(self.sizes)), desc="Capturing decode graphs",
                        disable=not progress):
             ctx = ForwardContext(False, self.slot_mapping[:bs], self.page_tables[:bs],
-                                 context_lens=self.context_lens[:bs])
+                                 context_lens=self.context_lens[:bs],
+                                 cpu_share=executor.cpu_share)
             backend.prepare_capture(ctx, bs)
             state = StepState(self.input_ids[:bs], self.positions[:bs],
                               hidden=(self.hidden[0, :bs], self.hidden[1, :bs]),
@@ -59,16 +130,14 @@ class DecodeGraphRunner:
             plan = self._static_plan(bs)
             with forward_context(ctx):
                 executor.run(segments, plan)  # warm-up: autotuning, lazy init, outside capture
-                graphs = []
+                replays = []
                 for segment in segments:
                     if streamer is not None:
                         streamer.plan = plan  # segments read the plan's tail tensors
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        segment()
-                    pool = graph.pool()
-                    graphs.append(graph)
-            self.graphs[bs] = (graphs, ctx)
+                    chain = GraphChain(pool)
+                    replays.append(chain.capture(segment, executor.cpu_share))
+                    pool = chain.pool
+            self.graphs[bs] = (replays, ctx)
         torch.cuda.synchronize()
 
     def _static_plan(self, bs: int) -> StepPlan | None:
@@ -99,5 +168,5 @@ class DecodeGraphRunner:
             self.tail_rows[:n].copy_(plan.tail_rows)
             self.tail_pages[n:bs].fill_(DUMMY_PAGE)
             self.tail_rows[n:bs].fill_(self.executor.streamer.dummy_row)
-        self.executor.run([g.replay for g in graphs], plan)
+        self.executor.run(graphs, plan)
         return self.logits[:bs]

@@ -15,6 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
+from nanoserve.engine.cpu_split_setup import build_cpu_share
 from nanoserve.engine.graph_runner import DecodeGraphRunner
 from nanoserve.engine.prompt_logprobs import (
     ROWS_PER_HEAD_CALL,
@@ -96,9 +97,15 @@ class ModelRunner:
         self.kv = KVManager(spec, budget, self.device, cfg.enable_prefix_caching)
         self.kv.bind(model.attention_layers)
         streaming = self.kv.streamer is not None
+        attn = model.attention_layers[0]
+        self.cpu_share, self.cpu_split = build_cpu_share(
+            cfg.cpu_attention, cfg.cpu_attention_fraction, self.kv, attn.num_heads,
+            attn.head_dim, attn.scale, cfg.max_num_seqs)
         self.inputs = StepInputBuilder(cfg.page_size, self.device,
-                                       self.kv.tail_row if streaming else None)
-        self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers)
+                                       self.kv.tail_row if streaming else None,
+                                       self.cpu_split, spec.page_bytes(1))
+        self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers,
+                                     self.cpu_share)
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
             self.build_prefill_plans(progress)
@@ -301,6 +308,8 @@ class ModelRunner:
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         ctx = inputs.context()
+        if inputs.offload is not None and inputs.offload.cpu_tokens is not None:
+            ctx.cpu_share = self.cpu_share
         for part in ctx.prepared_parts():
             self.backend.prepare(part)
         score = None if inputs.score_rows is None else \

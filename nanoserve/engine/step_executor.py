@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanoserve.attention.cpu_share import CpuShare
 from nanoserve.engine.prompt_logprobs import PromptScores, score_rows
 from offload import LayerStreamer, StepPlan
 
@@ -59,8 +60,11 @@ class StepState:
 
 
 class StepExecutor:
-    def __init__(self, model, streamer: LayerStreamer | None, first_streamed: int) -> None:
+    def __init__(self, model, streamer: LayerStreamer | None, first_streamed: int,
+                 cpu_share: CpuShare | None = None) -> None:
+        """cpu_share: the CPU's share of streamed layers' decode attention, when on."""
         self.model, self.streamer, self.first_streamed = model, streamer, first_streamed
+        self.cpu_share = cpu_share
 
     def segments(self, state: StepState) -> list[Segment]:
         layers = self.model.layers
@@ -102,6 +106,8 @@ class StepExecutor:
             segments[0]()
             return
         s = self.streamer
+        if self.cpu_share is not None and plan.tail_pages is not None:  # decode
+            self.cpu_share.begin_step(plan.cpu_tokens, plan.cpu_table, plan.gpu_starts)
         s.begin_step(plan)
         segments[0]()
         for j, segment in enumerate(segments[1:-1]):

@@ -17,7 +17,7 @@ from nanoserve.context import ForwardContext
 from nanoserve.engine.prompt_logprobs import PromptScores
 from nanoserve.engine.scheduler import Batch
 from nanoserve.kv.pages import DUMMY_PAGE
-from offload import StepPlan, coalesce_runs
+from offload import CpuSplit, StepPlan, coalesce_runs
 
 
 @dataclass
@@ -103,6 +103,7 @@ class HostStep:
     load_runs: list[tuple[int, int]] = field(default_factory=list)
     store_runs: list[tuple[int, int]] = field(default_factory=list)
     flush_pages: list[int] = field(default_factory=list)
+    cpu_tokens: np.ndarray | None = None  # decode: the CPU's leading tokens per row, if any
     score_counts: list[int] = field(default_factory=list)  # prefill: rows scored per sequence
     score_k: int = 0
     # async scheduling under TP: rank 0 sends this (launched) step's sampled ids to every rank
@@ -126,6 +127,9 @@ class HostStep:
             plan = StepPlan(load_runs=self.load_runs, tail_pages=t["tail_pages"],
                             tail_rows=t["tail_rows"], flush_pages=self.flush_pages,
                             flush_rows=t["flush_rows"])
+            if self.cpu_tokens is not None:
+                plan.cpu_tokens, plan.cpu_table = self.cpu_tokens, self.arrays["table"]
+                plan.gpu_starts = t["gpu_starts"]
         return StepInputs(self.is_prefill, self.num_seqs, self.num_decode, self.samples,
                           t["ids"], t["pos"], t["slots"], t["table"], context_lens=t["lens"],
                           sample_rows=t["rows"] if self.is_prefill else None,
@@ -141,9 +145,13 @@ class HostStep:
 
 class StepInputBuilder:
     def __init__(self, page_size: int, device: torch.device,
-                 tail_row: Callable[[object], int] | None = None) -> None:
-        """tail_row: the KV manager's tail row of a sequence, when layers stream."""
+                 tail_row: Callable[[object], int] | None = None,
+                 cpu_split: CpuSplit | None = None, layer_page_bytes: int = 0) -> None:
+        """tail_row: the KV manager's tail row of a sequence, when layers stream. cpu_split:
+        how much of each decode row's host KV the CPU attends (layer_page_bytes: K+V of one
+        page of one layer, what it weighs the step by)."""
         self.page_size, self.device, self.tail_row = page_size, device, tail_row
+        self.cpu_split, self.layer_page_bytes = cpu_split, layer_page_bytes
         self.pin = device.type == "cuda"
 
     def _slot(self, pages: list[int], pos: int) -> int:
@@ -232,6 +240,7 @@ class StepInputBuilder:
         lens = np.ones(rows, np.int32)
         from_step = np.full(rows, -1, np.int64)  # row of the in-flight tokens, or -1: ids[i]
         load, tail_pages, tail_rows, flush_pages, flush_rows = [], [], [], [], []
+        cpu_pages = self._cpu_pages(batch) if self.tail_row is not None else [0] * n
         for i, s in enumerate(batch.seqs):
             p = s.num_tokens - 1 + s.num_pending  # the token this step writes
             if s.num_pending:
@@ -240,7 +249,7 @@ class StepInputBuilder:
                 ids[i] = s.token_ids[-1]
             pos[i], slots[i], lens[i] = p, self._slot(s.pages, p), p + 1
             if self.tail_row is not None:
-                load += s.pages[:p // ps]
+                load += s.pages[cpu_pages[i]:p // ps]  # the CPU reads the first ones itself
                 tail_pages.append(s.pages[p // ps])
                 tail_rows.append(self.tail_row(s))
                 if (p + 1) % ps == 0:  # the tail fills: it goes home after the step
@@ -251,7 +260,20 @@ class StepInputBuilder:
                   "tail_pages": np.array(tail_pages, np.int64),
                   "tail_rows": np.array(tail_rows, np.int64),
                   "flush_rows": np.array(flush_rows, np.int64)}
+        cpu_tokens = None
+        if any(cpu_pages):
+            cpu_tokens = np.array(cpu_pages, np.int32) * ps
+            arrays["gpu_starts"] = cpu_tokens
         streamed = self.tail_row is not None
         return HostStep(False, n, 0, [True] * n, arrays, streamed=streamed,
                         load_runs=distinct_runs(load) if streamed else [],
-                        flush_pages=flush_pages)
+                        flush_pages=flush_pages, cpu_tokens=cpu_tokens)
+
+    def _cpu_pages(self, batch: Batch) -> list[int]:
+        """Each decode row's leading pages the CPU attends: a share of its full pages (all in
+        the host store: only the tail, the page the step writes, is on the GPU)."""
+        if self.cpu_split is None:
+            return [0] * len(batch.seqs)
+        full = [(s.num_tokens - 1 + s.num_pending) // self.page_size for s in batch.seqs]
+        f = self.cpu_split.fraction(sum(full) * self.layer_page_bytes)
+        return [self.cpu_split.pages(f, n) for n in full]

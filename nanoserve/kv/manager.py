@@ -213,6 +213,8 @@ class KVManager:
         if self.streamer is not None:
             slots = [self.streamer.slot(j) for j in range(self.plan.streamed_layers)]
             bind_kv(attention_layers, self.spec, slots, self.plan.resident_layers)
+            for j in range(self.plan.streamed_layers):
+                attention_layers[self.plan.resident_layers + j].host_layer = j
 
     def used_bytes(self) -> dict[str, int]:
         """KV bytes in use, by tier (one page id holds a token range of every layer); the

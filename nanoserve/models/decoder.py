@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.qk_norm = list(qk_norm) if qk_norm is not None else None
         self.k_cache = self.v_cache = torch.empty(0)  # [num_pages, page_size, kv_heads, head_dim]
         self.k_scale = self.v_scale = None  # FP8 KV: [num_pages, page_size, kv_heads] float32
+        self.host_layer: int | None = None  # streamed: the layer's index in the host store
         self.backend = None
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -1,0 +1,139 @@
+"""CPU attention beside the link, on the CPU engine (both tiers in CPU memory, copies
+synchronous; the torch backend attends the GPU's share): the split of each decode row's host KV
+between the CPU kernel and the streamed ring slot gives exactly the tokens of offload off, at
+any fraction, for fp32 and FP8 KV, batches, preemption; the pages the CPU takes are
+not loaded; and they are really read by the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_hf_model, random_prompts
+from helpers import corrupt_host_kv, make_llm
+
+from nanoserve import SamplingParams
+from nanoserve.attention.cpu_decode import _extension
+from nanoserve.config import EngineConfig
+from nanoserve.engine.step_inputs import StepInputBuilder
+from nanoserve.kv.spec import KVSpec
+from offload import CpuSplit
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+# one 4-token page of the 4 streamed layers (resident_layers=2 of 6), fp32
+STREAMED_PAGE_BYTES = KVSpec(6, 4, 2, 16, torch.float32).page_bytes(num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def six_layer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-6l-cpu-share")
+    make_hf_model("qwen3", path, num_hidden_layers=6)
+    return path
+
+
+def llm_for(path, **kw):
+    return make_llm(path, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256, **kw)
+
+
+def offload(path, cpu_attention="off", **kw):
+    return llm_for(path, enable_offload=True, resident_layers=2, host_kv_budget_gib=0.01,
+                   cpu_attention=cpu_attention, **kw)
+
+
+def run(llm, prompts):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_split_gives_the_tokens_of_offload_off(six_layer_dir, fraction, kv_cache_dtype, batch):
+    prompts = random_prompts(batch, [37, 6, 61, 20], seed=batch)
+    ref = run(llm_for(six_layer_dir, kv_cache_dtype=kv_cache_dtype), prompts)
+    llm = offload(six_layer_dir, fraction, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.cpu_split == CpuSplit(fixed=float(fraction))
+    assert run(llm, prompts) == ref
+    kv = llm.engine.kv
+    assert kv.num_free == kv.capacity and kv.tail_rows_in_use == 0
+
+
+def test_the_cpu_reads_its_pages_and_they_are_not_loaded(six_layer_dir):
+    """With every host page on the CPU, corrupting one streamed layer's host KV changes the
+    tokens (the CPU read it), and the steps load nothing over the link but tails."""
+    prompt = random_prompts(1, [40], seed=9)[0]
+    ref = run(offload(six_layer_dir, "1"), [prompt])[0]
+    llm = offload(six_layer_dir, "1")
+    engine = llm.engine
+    (seq,) = engine.add_request(prompt, GREEDY)
+    while seq.num_output_tokens == 0:
+        engine.step()
+    engine.step()
+    assert engine.kv.streamer.bytes_loaded == 0  # the CPU took every full page
+    corrupt_host_kv(engine, 1, seq.pages[:seq.num_cached // 4])
+    while not seq.is_finished:
+        engine.step()
+    assert seq.output_token_ids[:2] == ref[:2]  # sampled before the corruption
+    assert seq.output_token_ids != ref
+
+
+def test_preemption_with_the_split(six_layer_dir):
+    prompts = random_prompts(4, [20, 25, 30, 18], seed=4)
+    ref = run(llm_for(six_layer_dir), prompts)
+    # 40 pages of 4 tokens for 4 sequences of ~50 tokens: decode must preempt
+    llm = llm_for(six_layer_dir, enable_offload=True, resident_layers=2, cpu_attention="0.6",
+                  host_kv_budget_gib=41 * STREAMED_PAGE_BYTES / 2**30)
+    assert llm.engine.kv.capacity == 40
+    assert run(llm, prompts) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_cpu_pages_per_row():
+    """floor(fraction x full pages) per row; the tail (the page the step writes) never."""
+    split = CpuSplit(fixed=0.5)
+    assert [split.pages(0.5, n) for n in (0, 1, 3, 10)] == [0, 0, 1, 5]
+    measured = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=0.0)
+    assert measured.fraction(10**8) == pytest.approx(2 / 3)
+    assert measured.limit == pytest.approx(2 / 3)
+    # a fixed cost per layer moves work to the link, the more the shorter the context
+    slow = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=100e-6)
+    assert slow.fraction(10**8) == pytest.approx((2.5e-3 - 1e-4) / (2.5e-3 + 1.25e-3))
+    assert slow.fraction(10**6) == 0.0
+    with pytest.raises(ValueError):
+        CpuSplit(fixed=1.5)
+
+
+def test_step_plan_skips_the_cpu_pages():
+    class Seq:
+        def __init__(self, n, pages):
+            self.num_tokens, self.num_pending, self.pages = n, 0, pages
+            self.token_ids = [1] * n
+            self.seq_id = n
+
+    from nanoserve.engine.scheduler import Batch
+
+    seqs = [Seq(4 * 10 + 2, list(range(100, 111))), Seq(4 * 3, list(range(200, 203)))]
+    builder = StepInputBuilder(4, torch.device("cpu"), tail_row=lambda s: 0,
+                               cpu_split=CpuSplit(fixed=0.5), layer_page_bytes=1)
+    step = builder.plan(Batch(False, seqs, [1, 1]))
+    # row 0: writes token 41 (page 10), 10 full pages, 5 on the CPU; row 1: writes token 11
+    # (page 2), 2 full pages, 1 on the CPU
+    assert step.cpu_tokens.tolist() == [20, 4]
+    assert step.arrays["gpu_starts"].tolist() == [20, 4]
+    assert step.load_runs == [(105, 110), (201, 202)]
+    assert np.array_equal(step.arrays["table"][1, :3], [200, 201, 202])
+
+
+def test_cpu_attention_setting():
+    assert EngineConfig(cpu_attention="0.25").cpu_attention_fraction == 0.25
+    assert EngineConfig(cpu_attention="auto").cpu_attention_fraction is None
+    for bad in ("1.5", "-0.1", "nan", "half"):
+        with pytest.raises(ValueError, match="cpu_attention"):
+            EngineConfig(cpu_attention=bad)
+
+
+def test_auto_on_a_cpu_device_is_half(six_layer_dir):
+    llm = offload(six_layer_dir, "auto")
+    assert llm.engine.runner.cpu_split == CpuSplit(fixed=0.5)
+    assert "CPU attention: 50%" in llm.engine.describe_memory()
+    assert llm.engine.runner.cpu_share.kernel.__name__ == \
+        ("decode_cpp" if _extension() is not None else "decode_torch")
