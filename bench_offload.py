@@ -158,10 +158,10 @@ def sampling_label(params: dict) -> str:
 def add_sampling_ratios(rows: list[dict]) -> None:
     """Sampled rows get their TPOT and output tok/s over the greedy row of the same mode,
     context and batch."""
-    greedy = {(r["mode"], r["input_len"], r["batch"]): r for r in rows
+    greedy = {(r["mode"], r["input_len"], r["batch"], r.get("cpu_attention")): r for r in rows
               if r.get("sampling") == "greedy" and not r.get("skipped")}
     for r in rows:
-        g = greedy.get((r["mode"], r["input_len"], r["batch"]))
+        g = greedy.get((r["mode"], r["input_len"], r["batch"], r.get("cpu_attention")))
         if r.get("sampling") == "sampled" and not r.get("skipped") and g is not None:
             r["tpot_vs_greedy"] = r["tpot_ms_median"] / g["tpot_ms_median"]
             r["output_tok_s_vs_greedy"] = r["output_tok_s"] / g["output_tok_s"]
@@ -169,9 +169,11 @@ def add_sampling_ratios(rows: list[dict]) -> None:
 
 # --- one run ---------------------------------------------------------------------------------
 def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil: dict,
-             sampling: tuple[str, dict] | None = None, tp: int = 1) -> dict:
+             sampling: tuple[str, dict] | None = None, tp: int = 1,
+             cpu_attention: str = "off") -> dict:
     kw = dict(MODES[mode], tensor_parallel_size=tp)
     if kw.get("enable_offload"):
+        kw["cpu_attention"] = cpu_attention
         kw["resident_layers"] = args.resident_layers
         kw["num_kv_buffers"] = args.num_kv_buffers
         if args.gpu_kv_budget is not None:
@@ -212,7 +214,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
     ttft = time.perf_counter() - t0
-    steps, streamed, waits = [], [], []
+    steps, streamed, waits, on_cpu = [], [], [], []
     collect = runner.collect  # async scheduling: where a step's host waits for the GPU
 
     def timed_collect(launched):
@@ -230,14 +232,20 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
             steps.append(time.perf_counter() - a)
             if kv.streamer is not None:
                 streamed.append(kv.streamer.bytes_loaded)
+                share = runner.cpu_share
+                on_cpu.append(0 if share is None else share.tokens // kv.spec.page_size *
+                              kv.spec.page_bytes(kv.plan.streamed_layers))
     finally:
         del runner.collect
     plan = kv.plan
     ctx = input_len + args.output_len // 2
     kv_read = batch * ctx * kv.spec.token_bytes(plan.resident_layers)
     resident_bytes = weight_bytes(cfg, runner.dtype.itemsize, batch) / tp + kv_read  # a rank's
-    # rank 0 streams its share of the heads; every rank streams as much, each over its link
+    # rank 0 streams its share of the heads; every rank streams as much, each over its link.
+    # The floor counts every host byte of the step, the CPU's share (cpu_attention) included:
+    # the split is measured against streaming it all
     bytes_step = tp * statistics.median(streamed) if streamed else 0
+    cpu_bytes = tp * statistics.median(on_cpu) if on_cpu else 0
     h2d = ceil["h2d_GBps"] if tp == 1 else ceil["h2d_GBps_tp"][str(tp)]
     tpot = statistics.median(steps)
     row = {
@@ -258,7 +266,9 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         "output_tok_s": sum(s.num_output_tokens for s in seqs) / (ttft + sum(steps)),
         "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "h2d_bytes_per_step": bytes_step,
-        "pcie_floor_ms": bytes_step / h2d / 1e6,
+        "cpu_attention": cpu_attention if kv.streamer is not None else "off",
+        "cpu_fraction": cpu_bytes / (cpu_bytes + bytes_step) if cpu_bytes else 0.0,
+        "pcie_floor_ms": (bytes_step + cpu_bytes) / h2d / 1e6,
         "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
         "prefill_floor_s": prefill_flops(cfg, input_len, batch) / tp / ceil["bf16_TFLOPs"] /
         1e12,
@@ -450,14 +460,16 @@ def print_table(rows: list[dict], ceil: dict) -> None:
     tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
     if tp_ceils:
         print(f"host->device, GPUs copying at once: {tp_ceils} GB/s together")
-    head = (f"{'mode':<15}{'sampling':<12}{'ctx':>7}{'bs':>4}{'tp':>3}{'res/str':>9}{'TTFT s':>8}"
+    head = (f"{'mode':<24}{'sampling':<12}{'ctx':>7}{'bs':>4}{'tp':>3}{'res/str':>9}{'TTFT s':>8}"
             f"{'xFLOP':>7}{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
-            f"{'dec t/s':>9}{'out t/s':>9}{'H2D GB':>8}{'peak GiB':>9}{'host ms':>8}")
+            f"{'dec t/s':>9}{'out t/s':>9}{'H2D GB':>8}{'cpu':>5}{'peak GiB':>9}{'host ms':>8}")
     print(head)
     print("-" * len(head))
     rows = sorted(rows, key=lambda r: (r["input_len"], r["batch"]))
     for r in rows:
-        start = (f"{r['mode']:<15}{sampling_label(r) if 'temperature' in r else '':<12}"
+        cpu = r.get("cpu_attention", "off")
+        mode = r["mode"] + ("" if cpu == "off" else f" cpu={cpu}")
+        start = (f"{mode:<24}{sampling_label(r) if 'temperature' in r else '':<12}"
                  f"{r['input_len']:>7}{r['batch']:>4}{r.get('tp', 1):>3}")
         if r.get("skipped"):
             print(f"{start}  {r['skipped']}")
@@ -473,7 +485,8 @@ def print_table(rows: list[dict], ceil: dict) -> None:
               f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
               f"{r['tpot_ms_median']:>9.2f}{r['tpot_ms_p90']:>8.2f}{floor:>8.2f}"
               f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}{r['output_tok_s']:>9.1f}"
-              f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r['peak_gpu_GiB']:>9.1f}"
+              f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r.get('cpu_fraction', 0.0):>5.2f}"
+              f"{r['peak_gpu_GiB']:>9.1f}"
               f"{r.get('host_ms_median', float('nan')):>8.2f}")
     tp_rows = [r for r in rows if "tpot_vs_tp1" in r]
     if tp_rows:
@@ -537,7 +550,7 @@ def add_tp_ratios(rows: list[dict]) -> None:
     """Each TP > 1 row's TPOT and TTFT over those of its TP=1 row (same mode, context, batch,
     sampling), where the run has one."""
     def key(r: dict) -> tuple:
-        return r["mode"], r["input_len"], r["batch"], r.get("sampling")
+        return r["mode"], r["input_len"], r["batch"], r.get("sampling"), r.get("cpu_attention")
 
     one = {key(r): r for r in rows if r.get("tp", 1) == 1 and not r.get("skipped")}
     for r in rows:
@@ -583,6 +596,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=["auto", *KV_CACHE_DTYPES],
                     help="KV cache dtype of every nanoserve mode (fp8: e4m3 with per-token "
                          "scales; the floors count its bytes); transformers keeps bf16")
+    ap.add_argument("--cpu-attention", type=lambda t: t.split(","), default=["off"],
+                    help="offload modes: the CPU attends a share of each streamed layer's host "
+                    "KV (off, auto or a fraction; a comma list runs each); the table's cpu "
+                    "column is the share of host KV bytes on the CPU, and the PCIe floor "
+                    "counts every host byte, the CPU's too")
     ap.add_argument("--resident-layers", type=int, default=0,
                     help="offload modes: layers kept resident (default 0: every layer streams)")
     ap.add_argument("--num-kv-buffers", type=int, default=config_default("num_kv_buffers"),
@@ -661,15 +679,17 @@ def main() -> None:
         gc.collect()
     torch.cuda.empty_cache()
     rows = []
-    combos = [(m, n, b, run, tp) for n in lens for b in batches for m in modes for run in runs
-              for tp in tps]
-    for mode, n, b, (label, params), tp in tqdm(combos, desc="bench"):
-        head = {"mode": mode, "input_len": n, "batch": b, "tp": tp, "sampling": label, **params}
+    combos = [(m, n, b, run, tp, c) for n in lens for b in batches for m in modes
+              for run in runs for tp in tps
+              for c in (args.cpu_attention if m.startswith("offload") else ["off"])]
+    for mode, n, b, (label, params), tp, cpu in tqdm(combos, desc="bench"):
+        head = {"mode": mode, "input_len": n, "batch": b, "tp": tp, "sampling": label,
+                "cpu_attention": cpu, **params}
         if mode.startswith("resident") and not fits(args, cfg, n, b, tp):
             rows.append({**head, "skipped": "KV does not fit the GPU: resident cannot run"})
             continue
         try:
-            rows.append(run_mode(args, mode, n, b, cfg, ceil, (label, params), tp))
+            rows.append(run_mode(args, mode, n, b, cfg, ceil, (label, params), tp, cpu))
         except (ValueError, torch.cuda.OutOfMemoryError) as e:
             rows.append({**head, "skipped": str(e)[:80]})
             gc.collect()

@@ -2,9 +2,10 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks. Before spending device
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|decode|sweep|
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
-# Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; REPS and
+# Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
@@ -59,6 +60,19 @@ for w in $what; do
           --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
           2>&1 | grep -v "it/s\]" | tail -3)
       fi ;;
+    cpusplit)  # issue 33: CPU attention beside the link: its GPU tests, the 32K needle with the
+               # split (graphs, eager, FP8 KV), every layer streamed
+      run python3 -m pytest -q -m gpu tests/test_gpu_cpu_share.py -p no:cacheprovider 2>&1 \
+        | grep -v "it/s\]" | tee "$OUT/pytest_cpusplit.log" | grep -E "passed|failed|^E  " | tail -20
+      for m in "--use-cuda-graph" "--enforce-eager" "--use-cuda-graph --kv-cache-dtype fp8"; do
+        run python3 tests/test_needle.py --input-len 32768 --depths 0,0.5,1 --enable-offload \
+          --resident-layers 0 --cpu-attention auto $m 2>&1 | grep -v "it/s\]" | tail -6 \
+          | tee -a "$OUT/needle_cpusplit.log"
+      done ;;
+    splitbench)  # issue 33's table: every layer streamed, the split off / auto / fixed
+      run $B --input-len ${SPLIT_LENS:-32768} --batch-size ${SPLIT_BATCH:-1} --offload-graph \
+        --cpu-attention ${SPLIT_CPU:-off,auto} --kv-cache-dtype ${SPLIT_KV:-auto} \
+        --out "$OUT/split" 2>&1 | grep -v "it/s\]" | tail -8 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
         for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous

@@ -68,6 +68,7 @@ class CpuShare:
         self.zeros = torch.zeros(max_rows, dtype=torch.int32)
         self.ends = torch.zeros(max_rows, dtype=torch.int32)
         self.table = torch.zeros(max_rows, 1, dtype=torch.int32)
+        self.tokens = 0
         self.active = False  # some row of the step has CPU tokens
         self.cleared = True  # o, lse hold zeros and -inf: what an inactive step uploads
         self.sync = EagerSync(device)
@@ -84,7 +85,8 @@ class CpuShare:
             self.ends[:n] = torch.from_numpy(cpu_tokens)
             self.table = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32))
             self.starts[:n].copy_(gpu_starts, non_blocking=True)
-        self.active = bool(self.ends.any())
+        self.tokens = int(self.ends.sum())  # the step's tokens on the CPU, per layer
+        self.active = self.tokens > 0
 
     def send_q(self, q: torch.Tensor) -> None:
         """A streamed layer's queries [rows, heads, d] to the host, then the mark."""
