@@ -7,13 +7,16 @@ where the rates are each one's while the other runs (they share the host's memor
 overhead is what the CPU's share waits on besides its own work, once per layer (the sync on the
 layer's queries, the layer's own GPU work before them). The best f makes the two equal:
     f = (B / link_rate - overhead) / (B / link_rate + B / cpu_rate)
-which for large B tends to cpu_rate / (cpu_rate + link_rate). A fixed fraction skips the
-rates. Each row gives the CPU floor(f * its full host pages).
+which for large B tends to cpu_rate / (cpu_rate + link_rate). The start-up probe measures the
+rates; each decode step with a CPU share then refines the CPU's rate and the overhead from what
+the host saw (`calibrated`): the probe cannot see the layer's own GPU work, which on an H100
+with Qwen3-8B at batch 1 made the overhead ~0.4 ms a layer against the probe's sync alone. A
+fixed fraction skips all that. Each row gives the CPU floor(f * its full host pages).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class CpuSplit:
     cpu_rate: float = 0.0  # bytes/s of host KV the CPU attends, with the link busy
     link_rate: float = 0.0  # bytes/s the link moves, with the CPU attending
     overhead: float = 0.0  # seconds per layer the CPU's share waits besides its work
+    calibrated_steps: int = 0  # decode steps whose figures refined the rates (calibrated)
 
     def __post_init__(self) -> None:
         if self.fixed is not None and not 0.0 <= self.fixed <= 1.0:
@@ -37,6 +41,21 @@ class CpuSplit:
         if link + cpu <= 0:
             return 0.0
         return min(1.0, max(0.0, (link - self.overhead) / (link + cpu)))
+
+    def calibrated(self, wait: float, work: float, cpu_bytes: int) -> CpuSplit:
+        """The split after a decode step whose host waited `wait` seconds per layer for the
+        layer's queries and then worked `work` seconds on `cpu_bytes` of KV (measured split
+        only). The CPU's rate is the one just seen. The wait is the overhead itself when the
+        CPU is the slower side (the link's share arrived during the CPU's work: what the host
+        waits for is the GPU's own work on the layer and the sync), and more when the link is:
+        the smallest wait seen estimates the overhead, drifting up 2% a step so that a stale
+        low one fades."""
+        if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
+            return self
+        rate = cpu_bytes / work
+        overhead = min(wait, self.overhead * 1.02) if self.calibrated_steps else wait
+        return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate) if self.calibrated_steps
+                       else rate, overhead=overhead, calibrated_steps=self.calibrated_steps + 1)
 
     @staticmethod
     def pages(fraction: float, full_pages: int) -> int:

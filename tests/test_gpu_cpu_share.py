@@ -18,6 +18,24 @@ from nanoserve.kv.spec import KVSpec
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+TOL = 0.05  # logprob difference of the same token: the bf16 merges' rounding, not an error
+
+
+def assert_greedy_within_ties(ref, got) -> int:
+    """Each completion follows the reference's greedy tokens, each token's logprob within TOL
+    of the reference's, until a step where the reference's two best tokens are within 2 TOL (a
+    tie the split's rounding may break the other way); returns the tokens compared."""
+    compared = 0
+    for r, g in zip(ref, got, strict=True):
+        for a, b in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            if a.token_id != b.token_id:
+                (_, l1), (_, l2) = a.top[:2]
+                assert l1 - l2 < 2 * TOL, (a, b)
+                break
+            assert abs(a.logprob - b.logprob) < TOL, (a, b)
+            compared += 1
+    return compared
 SHAPE = dict(GPU_SHAPE, num_hidden_layers=6, max_position_embeddings=8192)
 
 
@@ -79,16 +97,15 @@ def test_gpu_share_merged_with_cpu_share_equals_whole(kv_dtype, batch):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("fraction", ["0.5", "1"])
 def test_split_tokens_equal_offload_off(model_dir, eager, kv_cache_dtype, fraction):
+    """The split's output is bf16-rounded after a merge in another order than the one kernel's
+    (and its CPU share sums in float32): tokens agree up to the reference's near-ties."""
     prompts = random_prompts(4, [1500, 37, 800, 260], vocab=2048, seed=3)
-    ref = [o.token_ids for o in make_gpu_llm(model_dir, kv_cache_dtype=kv_cache_dtype)
-           .generate(prompts, GREEDY)]
+    ref = make_gpu_llm(model_dir, kv_cache_dtype=kv_cache_dtype).generate(prompts,
+                                                                          WITH_LOGPROBS)
     llm = make_gpu_llm(model_dir, enable_offload=True, resident_layers=1, host_kv_budget_gib=1,
                        kv_cache_dtype=kv_cache_dtype, enforce_eager=eager,
                        cpu_attention=fraction)
-    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    # the 1500-token prompt's 40 tokens: the first where the bf16 merges' rounding could
-    # differ; all four equal on this seed
-    assert got == ref
+    assert assert_greedy_within_ties(ref, llm.generate(prompts, WITH_LOGPROBS)) >= 40
     assert llm.engine.kv.num_free == llm.engine.kv.capacity
 
 

@@ -106,6 +106,8 @@ class ModelRunner:
                                        self.cpu_split, spec.page_bytes(1))
         self.executor = StepExecutor(model, self.kv.streamer, self.kv.plan.resident_layers,
                                      self.cpu_share)
+        if self.cpu_share is not None and self.cpu_split.fixed is None:
+            self.cpu_share.on_step = self._calibrate_split
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
             self.build_prefill_plans(progress)
@@ -115,6 +117,11 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
+
+    def _calibrate_split(self, wait: float, work: float, tokens: int) -> None:
+        """A decode step's CPU share figures refine the split (offload/cpu_split.py)."""
+        nbytes = tokens // self.cfg.page_size * self.kv.spec.page_bytes(1)
+        self.inputs.cpu_split = self.inputs.cpu_split.calibrated(wait, work, nbytes)
 
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
