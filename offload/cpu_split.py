@@ -42,18 +42,18 @@ class CpuSplit:
             return 0.0
         return min(1.0, max(0.0, (link - self.overhead) / (link + cpu)))
 
-    def calibrated(self, wait: float, work: float, cpu_bytes: int) -> CpuSplit:
-        """The split after a decode step whose host waited `wait` seconds per layer for the
-        layer's queries and then worked `work` seconds on `cpu_bytes` of KV (measured split
-        only). The CPU's rate is the one just seen. The wait is the overhead itself when the
-        CPU is the slower side (the link's share arrived during the CPU's work: what the host
-        waits for is the GPU's own work on the layer and the sync), and more when the link is:
-        the smallest wait seen estimates the overhead, drifting up 2% a step so that a stale
-        low one fades."""
+    def calibrated(self, gap: float, work: float, cpu_bytes: int) -> CpuSplit:
+        """The split after a decode step whose host spent `work` seconds per layer in the CPU
+        kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next
+        (measured split only). The CPU's rate is the one just seen. The gap is the overhead
+        itself when the CPU is the slower side (the link's share arrived during the CPU's
+        work: the host only launched the layer's graphs and waited for its GPU work), and
+        more when the link is: the smallest gap seen estimates the overhead, drifting up 2% a
+        step so that a stale low one fades."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate = cpu_bytes / work
-        overhead = min(wait, self.overhead * 1.02) if self.calibrated_steps else wait
+        overhead = min(gap, self.overhead * 1.02) if self.calibrated_steps else gap
         return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate) if self.calibrated_steps
                        else rate, overhead=overhead, calibrated_steps=self.calibrated_steps + 1)
 

@@ -104,14 +104,14 @@ def test_cpu_pages_per_row():
 
 def test_calibration_from_what_the_host_saw():
     """A measured split takes the CPU rate just seen (averaged with the last) and the smallest
-    per-layer wait as its overhead (the old one drifting up 2% a step); a fixed one ignores
+    per-layer gap as its overhead (the old one drifting up 2% a step); a fixed one ignores
     both."""
     probe = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=50e-6)
-    one = probe.calibrated(wait=400e-6, work=1e-3, cpu_bytes=60 * 10**6)
+    one = probe.calibrated(gap=400e-6, work=1e-3, cpu_bytes=60 * 10**6)
     assert (one.cpu_rate, one.overhead, one.calibrated_steps) == (60e9, 400e-6, 1)
-    two = one.calibrated(wait=900e-6, work=1e-3, cpu_bytes=40 * 10**6)
+    two = one.calibrated(gap=900e-6, work=1e-3, cpu_bytes=40 * 10**6)
     assert two.cpu_rate == pytest.approx(50e9) and two.overhead == pytest.approx(408e-6)
-    three = two.calibrated(wait=300e-6, work=1e-3, cpu_bytes=50 * 10**6)
+    three = two.calibrated(gap=300e-6, work=1e-3, cpu_bytes=50 * 10**6)
     assert three.overhead == pytest.approx(300e-6)
     # a slower CPU and a larger overhead than the probe saw: less on the CPU
     assert three.fraction(134 * 10**6) < probe.fraction(134 * 10**6)

@@ -71,11 +71,12 @@ class CpuShare:
         self.table = torch.zeros(max_rows, 1, dtype=torch.int32)
         self.tokens = 0
         self.active = False  # some row of the step has CPU tokens
-        # the host's time per active layer: waiting for q, then in the kernel (a step's sums)
-        self.waited = self.worked = 0.0
-        self.layers = 0
-        self.on_step: Callable[[float, float, int], None] | None = None  # (wait, work, tokens)
-        self._t = 0.0
+        # a step's host time in the kernel and between kernels (the layer's cycle besides the
+        # CPU's work: the GPU's work on the layer, the syncs, the graph launches), summed
+        self.worked = self.between = 0.0
+        self.layers = self.gaps = 0
+        self.on_step: Callable[[float, float, int], None] | None = None  # (gap, work, tokens)
+        self._last_end: float | None = None
         self.cleared = True  # o, lse hold zeros and -inf: what an inactive step uploads
         self.sync = EagerSync(device)
 
@@ -84,10 +85,11 @@ class CpuShare:
         """A decode step: each row's CPU token count and page table (host arrays), and its
         first GPU token (on the device); None: no CPU share in this step. Rows past them
         (graph padding) have none."""
-        if self.on_step is not None and self.layers:  # the last step's figures, per layer
-            self.on_step(self.waited / self.layers, self.worked / self.layers, self.tokens)
-        self.waited = self.worked = 0.0
-        self.layers = 0
+        if self.on_step is not None and self.gaps:  # the last step's figures, per layer
+            self.on_step(self.between / self.gaps, self.worked / self.layers, self.tokens)
+        self.worked = self.between = 0.0
+        self.layers = self.gaps = 0
+        self._last_end = None
         n = 0 if cpu_tokens is None else len(cpu_tokens)
         self.ends.zero_()
         self.starts[n:].zero_()
@@ -117,17 +119,19 @@ class CpuShare:
         """The host waits for the mark before it reads q or rewrites the pinned outputs (an
         earlier upload of them may still be queued); an inactive step whose outputs are
         already cleared touches neither."""
-        self._t = time.perf_counter()
         return self.active or not self.cleared
 
     def _attend_on_host(self, host_layer: int, rows: int) -> None:
         if self.active:
             t = time.perf_counter()
+            if self._last_end is not None:
+                self.between += t - self._last_end
+                self.gaps += 1
             self.kernel(self.q[:rows], self.host_kv[host_layer], self.layout, self.table,
                         self.zeros[:rows], self.ends[:rows], self.scale,
                         out=(self.o[:rows], self.lse[:rows]))
-            self.waited += t - self._t
-            self.worked += time.perf_counter() - t
+            self._last_end = time.perf_counter()
+            self.worked += self._last_end - t
             self.layers += 1
             self.cleared = False
         elif not self.cleared:

@@ -118,10 +118,10 @@ class ModelRunner:
                 self.executor, self.backend, min(cfg.max_graph_batch_size, cfg.max_num_seqs),
                 max_pages_per_seq, cfg.page_size, self.device, progress)
 
-    def _calibrate_split(self, wait: float, work: float, tokens: int) -> None:
+    def _calibrate_split(self, gap: float, work: float, tokens: int) -> None:
         """A decode step's CPU share figures refine the split (offload/cpu_split.py)."""
         nbytes = tokens // self.cfg.page_size * self.kv.spec.page_bytes(1)
-        self.inputs.cpu_split = self.inputs.cpu_split.calibrated(wait, work, nbytes)
+        self.inputs.cpu_split = self.inputs.cpu_split.calibrated(gap, work, nbytes)
 
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
