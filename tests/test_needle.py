@@ -184,9 +184,18 @@ def offload_llm():
     return llm
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
-def test_needle_found_at_every_depth(resident_llm, offload_llm, offload):
-    llm = offload_llm if offload else resident_llm
+@pytest.fixture(scope="module")
+def cpu_split_llm():
+    """Offload with CPU attention beside the link: 60% of each row's host pages on the CPU."""
+    llm = cpu_llm(enable_offload=True, resident_layers=2, cpu_attention="0.6")
+    assert llm.engine.runner.cpu_share is not None
+    return llm
+
+
+@pytest.mark.parametrize("offload", [False, True, "cpu-split"],
+                         ids=["resident", "offload", "offload-cpu-split"])
+def test_needle_found_at_every_depth(resident_llm, offload_llm, cpu_split_llm, offload):
+    llm = {False: resident_llm, True: offload_llm, "cpu-split": cpu_split_llm}[offload]
     results = run_needle(llm, CPU_LEN, ALL_DEPTHS, seed=1)
     assert all(r.passed for r in results), format_table(results)
     if offload:  # and the streamed path gives the resident tokens exactly
