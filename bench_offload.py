@@ -63,7 +63,20 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
-    return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops}
+    return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops,
+            "host_read_GBps": host_read_gbps()}
+
+
+def host_read_gbps(nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """The host's memory read rate with torch's threads: the best of a few sums of 1 GiB of
+    float32 (what CPU attention's kernel is measured against)."""
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 def _copy_on_rank(rank: int, nbytes: int, reps: int, rounds: int, barrier, seconds) -> None:
@@ -268,6 +281,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         "h2d_bytes_per_step": bytes_step,
         "cpu_attention": cpu_attention if kv.streamer is not None else "off",
         "cpu_fraction": cpu_bytes / (cpu_bytes + bytes_step) if cpu_bytes else 0.0,
+        # the start-up probe's figures, and the CPU kernel's rate as the last steps saw it
+        **cpu_split_figures(runner),
         "pcie_floor_ms": (bytes_step + cpu_bytes) / h2d / 1e6,
         "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
         "prefill_floor_s": prefill_flops(cfg, input_len, batch) / tp / ceil["bf16_TFLOPs"] /
@@ -279,6 +294,17 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     del llm, engine, runner
     gc.collect()
     return row
+
+
+def cpu_split_figures(runner) -> dict:
+    share, split = runner.cpu_share, runner.inputs.cpu_split
+    if share is None:
+        return {}
+    out = {f"cpu_probe_{k}": v for k, v in (share.probe or {}).items()}
+    if split is not None and split.fixed is None:
+        out["cpu_kernel_GBps_in_run"] = split.cpu_rate / 1e9
+        out["cpu_overhead_us_in_run"] = split.overhead * 1e6
+    return out
 
 
 # --- a running stream while a long prompt arrives -----------------------------------------------
@@ -456,7 +482,8 @@ def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> boo
 
 def print_table(rows: list[dict], ceil: dict) -> None:
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
-          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
+          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, host "
+          f"memory reads {ceil.get('host_read_GBps', float('nan')):.0f} GB/s")
     tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
     if tp_ceils:
         print(f"host->device, GPUs copying at once: {tp_ceils} GB/s together")
@@ -488,6 +515,19 @@ def print_table(rows: list[dict], ceil: dict) -> None:
               f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r.get('cpu_fraction', 0.0):>5.2f}"
               f"{r['peak_gpu_GiB']:>9.1f}"
               f"{r.get('host_ms_median', float('nan')):>8.2f}")
+    split_rows = [r for r in rows if "cpu_probe_cpu_alone_GBps" in r]
+    if split_rows:
+        print("\nCPU attention (GB/s of host KV; the host's reads "
+              f"{ceil.get('host_read_GBps', float('nan')):.0f} GB/s):")
+        for r in split_rows:
+            run = (f", in the run {r['cpu_kernel_GBps_in_run']:.1f} GB/s and "
+                   f"{r['cpu_overhead_us_in_run']:.0f} us per layer besides"
+                   if "cpu_kernel_GBps_in_run" in r else "")
+            print(f"  ctx {r['input_len']:>6} bs {r['batch']:>2} cpu={r['cpu_attention']}: probe "
+                  f"CPU {r['cpu_probe_cpu_alone_GBps']:.1f} alone / "
+                  f"{r['cpu_probe_cpu_both_GBps']:.1f} with the link, link "
+                  f"{r['cpu_probe_link_alone_GBps']:.1f} / {r['cpu_probe_link_both_GBps']:.1f} "
+                  f"({r['cpu_probe_threads']} threads){run}")
     tp_rows = [r for r in rows if "tpot_vs_tp1" in r]
     if tp_rows:
         print("\ntensor parallel / one GPU, same mode, context and batch (lower is better):")

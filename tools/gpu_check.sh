@@ -2,7 +2,7 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks. Before spending device
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|splitbench|decode|sweep|
+#   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; REPS and
@@ -69,6 +69,8 @@ for w in $what; do
           --resident-layers 0 --cpu-attention auto $m 2>&1 | grep -v "it/s\]" | tail -6 \
           | tee -a "$OUT/needle_cpusplit.log"
       done ;;
+    cpurate)  # issue 33: the CPU kernel's GB/s by threads against the host's read rate
+      run python3 tools/probes/cpu_attention_rate.py 2>&1 | tee "$OUT/cpurate.log" ;;
     splitbench)  # issue 33's table: every layer streamed, the split off / auto / fixed
       run $B --input-len ${SPLIT_LENS:-32768} --batch-size ${SPLIT_BATCH:-1} --offload-graph \
         --cpu-attention ${SPLIT_CPU:-off,auto} --kv-cache-dtype ${SPLIT_KV:-auto} \

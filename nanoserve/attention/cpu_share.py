@@ -79,6 +79,7 @@ class CpuShare:
         self._last_end: float | None = None
         self.cleared = True  # o, lse hold zeros and -inf: what an inactive step uploads
         self.sync = EagerSync(device)
+        self.probe: dict | None = None  # the start-up probe's figures (cpu_split_setup.py)
 
     def begin_step(self, cpu_tokens: np.ndarray | None, table: np.ndarray | None,
                    gpu_starts: torch.Tensor | None) -> None:

@@ -36,11 +36,13 @@ def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads:
     kernel_name, kernel = cpu_decode_kernel("auto")
     share = CpuShare(kv.streamer.host.data, kv.spec.layout, kernel, max_rows, num_heads,
                      head_dim, scale, device)
+    if device.type == "cuda":  # the rates, also for a fixed fraction: reported beside it
+        measured = measure_split(share, kv)
+        if fixed is None:
+            return share, measured
     if fixed is not None:
         return share, CpuSplit(fixed=fixed)
-    if device.type != "cuda":  # no link to balance against
-        return share, CpuSplit(fixed=0.5)
-    return share, measure_split(share, kv)
+    return share, CpuSplit(fixed=0.5)  # a CPU device: no link to balance against
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -104,6 +106,10 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
         cpu(1)
     overhead = _median_time(round_trip, 21)
     split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
+    share.probe = {"pages": pages, "threads": torch.get_num_threads(),
+                   "cpu_alone_GBps": cpu_alone / 1e9, "cpu_both_GBps": cpu_both / 1e9,
+                   "link_alone_GBps": link_alone / 1e9, "link_both_GBps": link_both / 1e9,
+                   "overhead_us": overhead * 1e6}
     log.info("CPU attention probe over %d pages: CPU %.1f GB/s alone, %.1f with the link busy; "
              "link %.1f GB/s alone, %.1f with the CPU busy; %.0f us per layer besides", pages,
              cpu_alone / 1e9, cpu_both / 1e9, link_alone / 1e9, link_both / 1e9,
