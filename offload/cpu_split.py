@@ -7,11 +7,15 @@ where the rates are each one's while the other runs (they share the host's memor
 overhead is what the CPU's share waits on besides its own work, once per layer (the sync on the
 layer's queries, the layer's own GPU work before them). The best f makes the two equal:
     f = (B / link_rate - overhead) / (B / link_rate + B / cpu_rate)
-which for large B tends to cpu_rate / (cpu_rate + link_rate). The start-up probe measures the
-rates; each decode step with a CPU share then refines the CPU's rate and the overhead from what
-the host saw (`calibrated`): the probe cannot see the layer's own GPU work, which on an H100
-with Qwen3-8B at batch 1 made the overhead ~0.4 ms a layer against the probe's sync alone. A
-fixed fraction skips all that. Each row gives the CPU floor(f * its full host pages).
+which for large B tends to cpu_rate / (cpu_rate + link_rate). Rows that share prefix pages
+(one document, many questions) count them once on the link's side and once per row on the
+CPU's, which reads them for each row: the more rows share, the less goes to the CPU.
+
+The start-up probe measures the rates; each decode step with a CPU share then refines the
+CPU's rate and the overhead from what the host saw (`calibrated`): the probe cannot see the
+layer's own GPU work, which on an H100 with Qwen3-8B at batch 1 made the overhead ~0.4 ms a
+layer against the probe's sync alone. A fixed fraction skips all that. Each row gives the
+CPU floor(f * its full host pages).
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ class CpuSplit:
         if self.fixed is None and (self.cpu_rate <= 0 or self.link_rate <= 0):
             raise ValueError("a measured CPU split needs both rates > 0")
 
-    def fraction(self, layer_bytes: int) -> float:
-        """The CPU's share of a step whose rows hold `layer_bytes` of host KV per layer."""
+    def fraction(self, layer_bytes: int, row_bytes: int | None = None) -> float:
+        """The CPU's share of a step whose rows hold `layer_bytes` of distinct host KV per
+        layer, `row_bytes` counted row by row (more where rows share prefix pages: the link
+        moves a shared page once, the CPU reads it for each row that attends it there)."""
         if self.fixed is not None:
             return self.fixed
-        link, cpu = layer_bytes / self.link_rate, layer_bytes / self.cpu_rate
+        row_bytes = layer_bytes if row_bytes is None else row_bytes
+        link, cpu = layer_bytes / self.link_rate, row_bytes / self.cpu_rate
         if link + cpu <= 0:
             return 0.0
         return min(1.0, max(0.0, (link - self.overhead) / (link + cpu)))

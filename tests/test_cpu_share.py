@@ -87,6 +87,19 @@ def test_preemption_with_the_split(six_layer_dir):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_shared_prefix_rows_with_the_split(six_layer_dir):
+    """Rows on one cached document (prefix caching: the same host pages in every page table)
+    give the tokens of offload off with the split."""
+    doc = random_prompts(1, [48], seed=5)[0]
+    prompts = [doc + q for q in random_prompts(4, [3, 9, 5, 14], seed=6)]
+    ref = run(llm_for(six_layer_dir), prompts)
+    llm = offload(six_layer_dir, "0.5")
+    assert run(llm, prompts[:1]) == ref[:1]  # the document's pages are cached now
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.num_cached_tokens >= 44 for o in outs[1:])
+
+
 def test_cpu_pages_per_row():
     """floor(fraction x full pages) per row; the tail (the page the step writes) never."""
     split = CpuSplit(fixed=0.5)
@@ -98,6 +111,8 @@ def test_cpu_pages_per_row():
     slow = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=100e-6)
     assert slow.fraction(10**8) == pytest.approx((2.5e-3 - 1e-4) / (2.5e-3 + 1.25e-3))
     assert slow.fraction(10**6) == 0.0
+    # 16 rows on one document: the link moves its pages once, the CPU reads them 16 times
+    assert measured.fraction(10**8, 16 * 10**8) == pytest.approx(1 / 9)
     with pytest.raises(ValueError):
         CpuSplit(fixed=1.5)
 

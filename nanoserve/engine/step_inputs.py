@@ -275,5 +275,7 @@ class StepInputBuilder:
         if self.cpu_split is None:
             return [0] * len(batch.seqs)
         full = [(s.num_tokens - 1 + s.num_pending) // self.page_size for s in batch.seqs]
-        f = self.cpu_split.fraction(sum(full) * self.layer_page_bytes)
+        distinct = len({p for s, n in zip(batch.seqs, full, strict=True) for p in s.pages[:n]})
+        f = self.cpu_split.fraction(distinct * self.layer_page_bytes,
+                                    sum(full) * self.layer_page_bytes)
         return [self.cpu_split.pages(f, n) for n in full]
