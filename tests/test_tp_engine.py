@@ -29,7 +29,10 @@ OFFLOAD = {"resident": {},  # async scheduling: rank 0 sends each launched step'
            # one layer resident, two streamed through two ring slots
            "split": dict(enable_offload=True, resident_layers=1, host_kv_budget_gib=0.05),
            # every layer streamed, more streamed layers than slots
-           "streamed": dict(enable_offload=True, resident_layers=0, host_kv_budget_gib=0.05)}
+           "streamed": dict(enable_offload=True, resident_layers=0, host_kv_budget_gib=0.05),
+           # and half of each row's host pages attended on the CPU, by each rank for its heads
+           "streamed-cpu": dict(enable_offload=True, resident_layers=0, host_kv_budget_gib=0.05,
+                                cpu_attention="0.5")}
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
