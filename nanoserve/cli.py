@@ -229,8 +229,10 @@ def generate(prompt, input_len, output_len, batch_size, temperature, top_k, top_
     click.echo(f"TPOT {tpot * 1e3:.2f} ms  decode {(n_out - len(done)) / decode_s:,.1f} tok/s")
     streamer = engine.kv.streamer
     if streamer is not None and n_out > len(done):
+        share = engine.runner.cpu_share
         click.echo(describe_streamed(engine.kv, streamer.bytes_loaded,
-                                     cfg.tensor_parallel_size))
+                                     cfg.tensor_parallel_size,
+                                     share.tokens if share is not None else 0))
     sys.exit(1 if failed else 0)
 
 
@@ -245,15 +247,18 @@ def check_lengths(input_len: int | None, output_len: int, limit: int, what: str)
                                f"{input_len + output_len} tokens do not fit {what}")
 
 
-def describe_streamed(kv: KVManager, nbytes: int, tp: int) -> str:
-    """What the run's last decode step streamed host->device (a rank's share under TP)."""
+def describe_streamed(kv: KVManager, nbytes: int, tp: int, cpu_tokens: int = 0) -> str:
+    """What the run's last decode step streamed host->device (a rank's share under TP), and
+    what the CPU attended beside it (cpu_attention)."""
     plan = kv.plan
     pages = nbytes // (plan.streamed_layers * plan.layer_page_bytes)
     rank = " per GPU" if tp > 1 else ""
+    cpu = (f"; the CPU attended {plural(cpu_tokens // kv.spec.page_size, 'page')} of each "
+           f"streamed layer from host memory" if cpu_tokens else "")
     return (f"offload: {plan.resident_layers} of {plural(plan.num_layers, 'layer')} resident, "
             f"{plan.streamed_layers} streamed; the last decode step streamed "
             f"{format_bytes(nbytes)} host->device{rank} ({plural(pages, 'page')} of each "
-            f"streamed layer)")
+            f"streamed layer){cpu}")
 
 
 def describe_needle(needles: list, input_len: int, demo: bool) -> None:

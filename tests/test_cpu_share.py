@@ -14,6 +14,7 @@ from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import SamplingParams
 from nanoserve.attention.cpu_decode import _extension
+from nanoserve.cli import describe_streamed
 from nanoserve.config import EngineConfig
 from nanoserve.engine.step_inputs import StepInputBuilder
 from nanoserve.kv.spec import KVSpec
@@ -166,7 +167,13 @@ def test_cpu_attention_setting():
 
 def test_auto_on_a_cpu_device_is_half(six_layer_dir):
     llm = offload(six_layer_dir, "auto")
-    assert llm.engine.runner.cpu_split == CpuSplit(fixed=0.5)
-    assert "CPU attention: 50%" in llm.engine.describe_memory()
+    assert llm.engine.runner.cpu_split.fixed == 0.5
+    assert "CPU attention: 50% of each row's host KV (auto on a CPU device" in \
+        llm.engine.describe_memory()
+    kv = llm.engine.kv
+    line = describe_streamed(kv, 3 * kv.plan.streamed_layers * kv.plan.layer_page_bytes, 1,
+                             cpu_tokens=5 * 4)
+    assert line.endswith("(3 pages of each streamed layer); the CPU attended 5 pages of each "
+                         "streamed layer from host memory")
     assert llm.engine.runner.cpu_share.kernel.__name__ == \
         ("decode_cpp" if _extension() is not None else "decode_torch")

@@ -42,7 +42,7 @@ def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads:
             return share, measured
     if fixed is not None:
         return share, CpuSplit(fixed=fixed)
-    return share, CpuSplit(fixed=0.5)  # a CPU device: no link to balance against
+    return share, CpuSplit(fixed=0.5, why_fixed="auto on a CPU device: no link to measure")
 
 
 def _median_time(fn, repeat: int) -> float:
