@@ -83,7 +83,8 @@ class LayerStreamer:
         """The ring slot streamed layer j reads, [2, pages, page row]."""
         return self.slots[j % self.num_slots]
 
-    def _on_copy_stream(self):
+    def on_copy_stream(self):
+        """Work issued inside runs on the copy stream (CUDA), in order with the loads."""
         return torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
 
     def begin_step(self, plan: StepPlan) -> None:
@@ -97,7 +98,7 @@ class LayerStreamer:
         """Enqueued even with nothing to load: load_done then also covers every earlier
         device->host copy out of this slot, which the next compute must not overwrite."""
         s = j % self.num_slots
-        with self._on_copy_stream():
+        with self.on_copy_stream():
             if self.cuda:
                 self.copy_stream.wait_event(self.compute_done[s])
             self.host.load(j, self.plan.load_runs, self.slots[s])
@@ -131,7 +132,7 @@ class LayerStreamer:
         if self.cuda:
             self.compute_done[s].record()
         if self.plan.store_runs:
-            with self._on_copy_stream():
+            with self.on_copy_stream():
                 if self.cuda:
                     self.copy_stream.wait_event(self.compute_done[s])
                 self.host.store(j, self.plan.store_runs, self.slots[s])
@@ -145,7 +146,7 @@ class LayerStreamer:
             return
         rows = p.flush_rows
         compute = torch.cuda.current_stream() if self.cuda else None
-        with self._on_copy_stream():
+        with self.on_copy_stream():
             if self.cuda:
                 self.copy_stream.wait_stream(compute)
                 rows.record_stream(self.copy_stream)  # read here after its owner lets go

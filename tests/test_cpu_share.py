@@ -177,3 +177,46 @@ def test_auto_on_a_cpu_device_is_half(six_layer_dir):
                          "streamed layer from host memory")
     assert llm.engine.runner.cpu_share.kernel.__name__ == \
         ("decode_cpp" if _extension() is not None else "decode_torch")
+
+
+class _FakeEvent:
+    """torch.cuda.Event's timing on the host clock: the CPU stand-in for the link's copies,
+    which run synchronously there."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return max(end.t - self.t, 1e-9) * 1e3
+
+
+def test_the_start_up_probe_measures_rates(six_layer_dir, monkeypatch):
+    """measure_split, the `auto` probe of a CUDA engine, run on the CPU engine's store with the
+    CUDA events standing in: positive rates both ways, the thread count it kept, its figures
+    recorded for the bench."""
+    from nanoserve.engine.cpu_split_setup import measure_split
+
+    llm = offload(six_layer_dir, "0.5")
+    runner = llm.engine.runner
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    threads = torch.get_num_threads()
+    try:
+        split = measure_split(runner.cpu_share, llm.engine.kv)
+    finally:
+        torch.set_num_threads(threads)
+    assert split.fixed is None and split.cpu_rate > 0 and split.link_rate > 0
+    assert 0.0 <= split.limit <= 1.0 and split.overhead > 0
+    probe = runner.cpu_share.probe
+    assert probe["threads"] in probe["threads_tried_GBps"]
+    assert probe["cpu_alone_GBps"] > 0 and probe["link_both_GBps"] > 0

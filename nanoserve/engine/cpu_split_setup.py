@@ -7,6 +7,7 @@ on per layer besides its own work."""
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 
@@ -71,11 +72,11 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
                      torch.tensor([num_pages * layout.page_size], dtype=torch.int32),
                      share.scale, out=rows[1:])
 
-    slot, copy = streamer.slots[0], streamer.copy_stream
+    slot = streamer.slots[0]
 
     def link_async(times: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        with torch.cuda.stream(copy):
+        with streamer.on_copy_stream():
             start.record()
             for _ in range(times):
                 streamer.host.load(0, [(0, pages)], slot)
@@ -83,20 +84,31 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
         return start, end
 
     cpu()  # warm: threads, page faults
-    cpu_alone = nbytes / _median_time(cpu, 5)
+    # torch's thread count is the physical cores; the kernel waits on memory, where the
+    # logical cores' second threads may help: the faster of the two is kept
+    counts = sorted({torch.get_num_threads(),
+                     max(1, (os.cpu_count() or 1) // max(1, tp_size()))})
+    by_threads = {}
+    for n in counts:
+        torch.set_num_threads(n)
+        cpu()
+        by_threads[n] = nbytes / _median_time(cpu, 5)
+    threads = max(by_threads, key=by_threads.get)
+    torch.set_num_threads(threads)
+    cpu_alone = by_threads[threads]
     start, end = link_async(5)
     end.synchronize()
     link_alone = 5 * nbytes / (start.elapsed_time(end) / 1e3)
     # both at once: the link busy for about 10 CPU calls' time, the CPU calling until it is done
-    times = max(2, round(10 * link_alone / cpu_alone))
-    start, end = link_async(times)
+    copies = max(2, round(10 * link_alone / cpu_alone))
+    start, end = link_async(copies)
     calls, t0 = 0, time.perf_counter()
     while not end.query() or calls == 0:
         cpu()
         calls += 1
     cpu_both = calls * nbytes / (time.perf_counter() - t0)
     end.synchronize()
-    link_both = times * nbytes / (start.elapsed_time(end) / 1e3)
+    link_both = copies * nbytes / (start.elapsed_time(end) / 1e3)
     # per layer besides the CPU's work: the host's wait on an event and a one-page call
     event = torch.cuda.Event()
 
@@ -106,12 +118,14 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
         cpu(1)
     overhead = _median_time(round_trip, 21)
     split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
-    share.probe = {"pages": pages, "threads": torch.get_num_threads(),
+    share.probe = {"pages": pages, "threads": threads,
+                   "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},
                    "cpu_alone_GBps": cpu_alone / 1e9, "cpu_both_GBps": cpu_both / 1e9,
                    "link_alone_GBps": link_alone / 1e9, "link_both_GBps": link_both / 1e9,
                    "overhead_us": overhead * 1e6}
-    log.info("CPU attention probe over %d pages: CPU %.1f GB/s alone, %.1f with the link busy; "
-             "link %.1f GB/s alone, %.1f with the CPU busy; %.0f us per layer besides", pages,
-             cpu_alone / 1e9, cpu_both / 1e9, link_alone / 1e9, link_both / 1e9,
-             overhead * 1e6)
+    log.info("CPU attention probe over %d pages: CPU %.1f GB/s alone (%d threads; %s), %.1f "
+             "with the link busy; link %.1f GB/s alone, %.1f with the CPU busy; %.0f us per "
+             "layer besides", pages, cpu_alone / 1e9, threads,
+             ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in by_threads.items()),
+             cpu_both / 1e9, link_alone / 1e9, link_both / 1e9, overhead * 1e6)
     return split

@@ -9,6 +9,7 @@ kernels (the reference kernel; bf16 SDPA over the gathered layer). No GPU needed
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -48,8 +49,10 @@ def layer(dtype: torch.dtype, tokens: int) -> tuple[KVSpec, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--threads", default=",".join(str(t) for t in (1, 2, 4, 8, 16)
-                                                   if t <= torch.get_num_threads()))
+    logical = os.cpu_count() or 1
+    ap.add_argument("--threads", default=",".join(str(t) for t in sorted(
+        {t for t in (1, 2, 4, 8, 16, 32) if t <= logical} | {torch.get_num_threads(), logical})),
+        help="thread counts (default: powers of two up to the logical cores, torch's count)")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     x = torch.ones(1 << 28)
