@@ -50,20 +50,25 @@ class CpuSplit:
             return 0.0
         return min(1.0, max(0.0, (link - self.overhead) / (link + cpu)))
 
-    def calibrated(self, gap: float, work: float, cpu_bytes: int) -> CpuSplit:
+    def calibrated(self, gap: float, work: float, cpu_bytes: int,
+                   link_bytes: int = 0) -> CpuSplit:
         """The split after a decode step whose host spent `work` seconds per layer in the CPU
-        kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next
-        (measured split only). The CPU's rate is the one just seen. The gap is the overhead
-        itself when the CPU is the slower side (the link's share arrived during the CPU's
-        work: the host only launched the layer's graphs and waited for its GPU work), and
-        more when the link is: the smallest gap seen estimates the overhead, drifting up 2% a
-        step so that a stale low one fades."""
+        kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next,
+        while the link moved `link_bytes` per layer (measured split only). The CPU's rate is
+        the one just seen. The gap is the overhead plus whatever of the link's share was still
+        arriving when the CPU finished (predicted from the link's rate); what is left is
+        averaged into the overhead, a single reading capped at 4x the estimate (a hiccup)."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate = cpu_bytes / work
-        overhead = min(gap, self.overhead * 1.02) if self.calibrated_steps else gap
-        return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate) if self.calibrated_steps
-                       else rate, overhead=overhead, calibrated_steps=self.calibrated_steps + 1)
+        seen = max(0.0, gap - max(0.0, link_bytes / self.link_rate - work))
+        if not self.calibrated_steps:
+            return replace(self, cpu_rate=rate, overhead=seen, calibrated_steps=1)
+        if self.overhead > 0:
+            seen = min(seen, 4 * self.overhead)
+        return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate),
+                       overhead=0.7 * self.overhead + 0.3 * seen,
+                       calibrated_steps=self.calibrated_steps + 1)
 
     @staticmethod
     def pages(fraction: float, full_pages: int) -> int:

@@ -162,3 +162,13 @@ def test_cpp_kernel_across_group_sizes_and_head_dims(kv_heads, q_heads, d, dtype
             assert abs(lse[b, h].item() - s.logsumexp(0).item()) < 1e-4
             ref = s.softmax(0) @ vd[p, r, kv]
             assert (out[b, h].double() - ref).abs().max().item() < 1e-4
+
+
+def test_cpp_kernel_refuses_a_range_past_the_page_table():
+    if _extension() is None:
+        pytest.skip("no C++ compiler here")
+    spec, rows = make_layer(torch.bfloat16)
+    q, table, starts, ends = inputs()
+    ends[0] = table.shape[1] * PAGE + 1  # one token past the row's last page
+    with pytest.raises(RuntimeError, match="row 0 attends tokens past its page table"):
+        cpu_decode_kernel("cpp")[1](q, rows, spec.layout, table, starts, ends, SCALE)

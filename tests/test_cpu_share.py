@@ -119,18 +119,23 @@ def test_cpu_pages_per_row():
 
 
 def test_calibration_from_what_the_host_saw():
-    """A measured split takes the CPU rate just seen (averaged with the last) and the smallest
-    per-layer gap as its overhead (the old one drifting up 2% a step); a fixed one ignores
-    both."""
+    """A measured split takes the CPU rate just seen (averaged with the last) and, as its
+    overhead, the gap between kernels less what the link still had to move after the CPU's
+    work, averaged in (a hiccup capped at 4x the estimate); a fixed split ignores both."""
     probe = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=50e-6)
     one = probe.calibrated(gap=400e-6, work=1e-3, cpu_bytes=60 * 10**6)
     assert (one.cpu_rate, one.overhead, one.calibrated_steps) == (60e9, 400e-6, 1)
-    two = one.calibrated(gap=900e-6, work=1e-3, cpu_bytes=40 * 10**6)
-    assert two.cpu_rate == pytest.approx(50e9) and two.overhead == pytest.approx(408e-6)
-    three = two.calibrated(gap=300e-6, work=1e-3, cpu_bytes=50 * 10**6)
-    assert three.overhead == pytest.approx(300e-6)
+    two = one.calibrated(gap=600e-6, work=1e-3, cpu_bytes=40 * 10**6)
+    assert two.cpu_rate == pytest.approx(50e9)
+    assert two.overhead == pytest.approx(0.7 * 400e-6 + 0.3 * 600e-6)
+    # link-bound: 60 MB at 40 GB/s is 1.5 ms, 0.5 ms after the CPU's 1 ms: the gap's 0.9 ms
+    # is 0.4 ms of overhead
+    three = one.calibrated(gap=900e-6, work=1e-3, cpu_bytes=60 * 10**6, link_bytes=60 * 10**6)
+    assert three.overhead == pytest.approx(400e-6)
+    hiccup = one.calibrated(gap=20e-3, work=1e-3, cpu_bytes=60 * 10**6)
+    assert hiccup.overhead == pytest.approx(0.7 * 400e-6 + 0.3 * 1600e-6)
     # a slower CPU and a larger overhead than the probe saw: less on the CPU
-    assert three.fraction(134 * 10**6) < probe.fraction(134 * 10**6)
+    assert two.fraction(134 * 10**6) < probe.fraction(134 * 10**6)
     fixed = CpuSplit(fixed=0.4)
     assert fixed.calibrated(1e-3, 1e-3, 10**6) is fixed
     assert probe.calibrated(1e-3, 0.0, 0) is probe  # nothing attended: nothing learned
@@ -220,3 +225,6 @@ def test_the_start_up_probe_measures_rates(six_layer_dir, monkeypatch):
     probe = runner.cpu_share.probe
     assert probe["threads"] in probe["threads_tried_GBps"]
     assert probe["cpu_alone_GBps"] > 0 and probe["link_both_GBps"] > 0
+    # the probe's kernel calls left nothing behind: an inactive step uploads zeros, LSE -inf
+    share = runner.cpu_share
+    assert share.cleared and not share.o.any() and torch.isinf(share.lse).all()

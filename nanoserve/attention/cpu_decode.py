@@ -71,13 +71,28 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             s.logsumexp(-1).reshape(hq))
 
 
+def _cpu_features() -> str:
+    """A short hash of this CPU's model and feature flags (Linux), or of the machine type."""
+    import hashlib
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = [line for line in f if line.startswith(("flags", "model name"))][:2]
+    except OSError:
+        info = [platform.machine(), platform.processor()]
+    return hashlib.sha1("".join(info).encode()).hexdigest()[:10]
+
+
 @cache
 def _extension():
     """The compiled kernel's module, or None (logged once) where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load
 
-        return load("nanoserve_cpu_decode", [str(SOURCE)], verbose=False,
+        # built for this CPU (-march=native): the name carries its features, so a build cache
+        # shared by hosts with different CPUs keeps one build per CPU
+        return load(f"nanoserve_cpu_decode_{_cpu_features()}", [str(SOURCE)], verbose=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                   "-fno-signed-zeros", "-fno-trapping-math"],
                     extra_ldflags=["-fopenmp"])

@@ -86,8 +86,9 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
     cpu()  # warm: threads, page faults
     # torch's thread count is the physical cores; the kernel waits on memory, where the
     # logical cores' second threads may help: the faster of the two is kept
-    counts = sorted({torch.get_num_threads(),
-                     max(1, (os.cpu_count() or 1) // max(1, tp_size()))})
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    counts = sorted({torch.get_num_threads(), max(1, logical // max(1, tp_size()))})
     by_threads = {}
     for n in counts:
         torch.set_num_threads(n)
@@ -117,6 +118,12 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
         event.synchronize()
         cpu(1)
     overhead = _median_time(round_trip, 21)
+    # the probe's calls wrote row 0's partial: an inactive step uploads these buffers as
+    # they are, so they go back to nothing (zeros, LSE -inf) before any step
+    share.q.zero_()
+    share.o.zero_()
+    share.lse.fill_(-torch.inf)
+    share.cleared = True
     split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
     share.probe = {"pages": pages, "threads": threads,
                    "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},

@@ -27,10 +27,11 @@ class GraphChain:
     stream (attention/cpu_share.py): a streamed layer with a CPU share replays as graph, mark,
     graph, host work, graph; any other segment as one graph."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, stream: torch.cuda.Stream) -> None:
+        """stream: the capture stream, one for every chain of a pool (the caching allocator
+        reuses a freed block only on the stream that freed it)."""
+        self.pool, self.stream = pool, stream
         self.steps: list[Callable[[], None]] = []
-        self.stream = torch.cuda.Stream()
 
     def capture(self, segment: Callable[[], None], share: CpuShare | None
                 ) -> Callable[[], None]:
@@ -116,7 +117,7 @@ class DecodeGraphRunner:
             self.tail_pages = torch.full((n,), DUMMY_PAGE, **i64)
             self.tail_rows = torch.full((n,), streamer.dummy_row, **i64)
         self.graphs: dict[int, tuple[list[Callable[[], None]], ForwardContext]] = {}
-        pool = None
+        pool, capture_stream = None, torch.cuda.Stream()
         for bs in tqdm(list(reversed(self.sizes)), desc="Capturing decode graphs",
                        disable=not progress):
             ctx = ForwardContext(False, self.slot_mapping[:bs], self.page_tables[:bs],
@@ -134,7 +135,7 @@ class DecodeGraphRunner:
                 for segment in segments:
                     if streamer is not None:
                         streamer.plan = plan  # segments read the plan's tail tensors
-                    chain = GraphChain(pool)
+                    chain = GraphChain(pool, capture_stream)
                     replays.append(chain.capture(segment, executor.cpu_share))
                     pool = chain.pool
             self.graphs[bs] = (replays, ctx)

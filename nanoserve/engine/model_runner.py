@@ -121,7 +121,8 @@ class ModelRunner:
     def _calibrate_split(self, gap: float, work: float, tokens: int) -> None:
         """A decode step's CPU share figures refine the split (offload/cpu_split.py)."""
         nbytes = tokens // self.cfg.page_size * self.kv.spec.page_bytes(1)
-        self.inputs.cpu_split = self.inputs.cpu_split.calibrated(gap, work, nbytes)
+        loaded = self.kv.streamer.bytes_loaded // self.kv.plan.streamed_layers  # that step's
+        self.inputs.cpu_split = self.inputs.cpu_split.calibrated(gap, work, nbytes, loaded)
 
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)

@@ -367,6 +367,7 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
               "lse: contiguous float32 [batch, q_heads]");
   const int64_t batch = q.size(0), q_heads = q.size(1), d = q.size(2);
   TORCH_CHECK(q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads");
+  TORCH_CHECK(starts.numel() >= batch && ends.numel() >= batch, "starts, ends: one per row");
   Geometry g;
   g.q_heads = q_heads;
   g.kv_heads = num_kv_heads;
@@ -392,7 +393,12 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
 
   // jobs: runs of one sequence's tokens, about four per thread over the whole batch
   int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += std::max(0, hi[b] - lo[b]);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (hi[b] <= lo[b]) continue;
+    TORCH_CHECK(b < page_table.size(0) && (hi[b] - 1) / page_size < width,
+                "row ", b, " attends tokens past its page table");
+    total += hi[b] - lo[b];
+  }
   const int64_t want = 4 * at::get_num_threads();
   int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
   chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
