@@ -286,27 +286,26 @@ void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int
           _mm512_storeu_ps(acc + i * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + i * 16), cv));
       }
       // acc += p . V, a vector of head_dim at a time, every q head of the group at once
-      for (int c = 0; c < C; c += 2) {  // two vectors of head_dim at a time
-        __m512 a[8], b[8];
+      // acc += p . V, CV vectors of head_dim per pass: each token's p broadcast once per pass
+      // for every q head of the group, G x CV accumulators in registers
+      constexpr int CV = FIXED_G > 0 ? std::min(C, 16 / FIXED_G) : 2;
+      for (int c = 0; c < C; c += CV) {
+        __m512 a[16];
         float* acc = part.acc.data() + h * G * D + c * 16;
-        for (int64_t gi = 0; gi < G; ++gi) {
-          a[gi] = _mm512_loadu_ps(acc + gi * D);
-          b[gi] = _mm512_loadu_ps(acc + gi * D + 16);
-        }
+        for (int64_t gi = 0; gi < G; ++gi)
+          for (int u = 0; u < CV; ++u) a[gi * CV + u] = _mm512_loadu_ps(acc + gi * D + u * 16);
         for (int64_t j = 0; j < n; ++j) {
-          __m512 v0, v1;
-          load32<KIND>(v_row + ((r0 + j) * g.kv_heads + h) * D * g.elem + c * 16 * g.elem, v0,
-                       v1);
+          const uint8_t* vp = v_row + ((r0 + j) * g.kv_heads + h) * D * g.elem + c * 16 * g.elem;
+          __m512 vv[CV];
+          for (int u = 0; u < CV; u += 2) load32<KIND>(vp + u * 16 * g.elem, vv[u], vv[u + 1]);
           for (int64_t gi = 0; gi < G; ++gi) {
             const __m512 p = _mm512_set1_ps(s[gi][j]);
-            a[gi] = _mm512_fmadd_ps(p, v0, a[gi]);
-            b[gi] = _mm512_fmadd_ps(p, v1, b[gi]);
+            for (int u = 0; u < CV; ++u)
+              a[gi * CV + u] = _mm512_fmadd_ps(p, vv[u], a[gi * CV + u]);
           }
         }
-        for (int64_t gi = 0; gi < G; ++gi) {
-          _mm512_storeu_ps(acc + gi * D, a[gi]);
-          _mm512_storeu_ps(acc + gi * D + 16, b[gi]);
-        }
+        for (int64_t gi = 0; gi < G; ++gi)
+          for (int u = 0; u < CV; ++u) _mm512_storeu_ps(acc + gi * D + u * 16, a[gi * CV + u]);
       }
     }
     t0 += n;
