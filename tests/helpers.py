@@ -55,6 +55,25 @@ def engine_prefill_logits(llm, token_ids: list[int], chunk: int | None = None) -
         engine.kv.free(seq)
 
 
+def random_layer_rows(spec, num_pages: int, generator: torch.Generator,
+                      std: float = 1.0) -> torch.Tensor:
+    """One layer's rows [2, pages, row] in `spec`'s layout on the CPU, K and V random normal
+    times `std` (FP8: quantized, a scale per token and kv head)."""
+    from nanoserve.kv.fp8 import quantize
+
+    rows = spec.empty(1, num_pages, torch.device("cpu"))[0]
+    k, v, k_scale, v_scale = spec.views(rows)
+    for values, scales in ((k, k_scale), (v, v_scale)):
+        x = torch.randn(values.shape, generator=generator) * std
+        if scales is None:
+            values.copy_(x.to(values.dtype))
+        else:
+            q8, s = quantize(x)
+            values.copy_(q8)
+            scales.copy_(s)
+    return rows
+
+
 def host_kv_views(engine, layer: int) -> tuple[torch.Tensor, ...]:
     """Streamed layer `layer`'s K and V values and scales (None unless FP8) in the host store."""
     return engine.kv.spec.views(engine.kv.streamer.host.data[layer])

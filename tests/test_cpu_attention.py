@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from helpers import random_layer_rows
 
 from nanoserve.attention.cpu_decode import _extension, cpu_decode_kernel, decode_torch
 from nanoserve.attention.prefill import merge_partials
-from nanoserve.kv.fp8 import quantize
 from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
 
@@ -25,18 +25,7 @@ def make_layer(dtype: torch.dtype, seed: int = 0) -> tuple[KVSpec, torch.Tensor]
     """One layer's host rows [2, pages, row], filled with random K and V (FP8: quantized,
     a scale per token and kv head)."""
     spec = KVSpec(1, PAGE, KV_HEADS, D, dtype)
-    g = torch.Generator().manual_seed(seed)
-    rows = spec.empty(1, PAGES, torch.device("cpu"))[0]
-    k, v, k_scale, v_scale = spec.views(rows)
-    for values, scales in ((k, k_scale), (v, v_scale)):
-        x = torch.randn(values.shape, generator=g) * 2
-        if dtype == FP8:
-            q, s = quantize(x)
-            values.copy_(q)
-            scales.copy_(s)
-        else:
-            values.copy_(x.to(dtype))
-    return spec, rows
+    return spec, random_layer_rows(spec, PAGES, torch.Generator().manual_seed(seed), std=2.0)
 
 
 def inputs(seed: int = 1):
@@ -133,16 +122,8 @@ def test_cpp_kernel_across_group_sizes_and_head_dims(kv_heads, q_heads, d, dtype
     page, pages = 16, 20
     spec = KVSpec(1, page, kv_heads, d, dtype)
     g = torch.Generator().manual_seed(kv_heads * 1000 + q_heads + d)
-    rows = spec.empty(1, pages, torch.device("cpu"))[0]
+    rows = random_layer_rows(spec, pages, g)
     k, v, k_scale, v_scale = spec.views(rows)
-    for values, scales in ((k, k_scale), (v, v_scale)):
-        x = torch.randn(values.shape, generator=g)
-        if scales is None:
-            values.copy_(x.to(dtype))
-        else:
-            q8, s = quantize(x)
-            values.copy_(q8)
-            scales.copy_(s)
     ranges = [(3, 291), (0, 1), (40, 77)]
     q = torch.randn(len(ranges), q_heads, d, generator=g)
     table = torch.stack([torch.randperm(pages, generator=g) for _ in ranges]).int()

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
-from helpers import assert_32k_offload_equals_resident, corrupt_host_kv, make_gpu_llm
+from helpers import (
+    assert_32k_offload_equals_resident,
+    corrupt_host_kv,
+    make_gpu_llm,
+    random_layer_rows,
+)
 
 from nanoserve import SamplingParams
 from nanoserve.attention.cpu_decode import cpu_decode_kernel
@@ -55,21 +60,11 @@ def test_gpu_share_merged_with_cpu_share_equals_whole(kv_dtype, batch):
         num_splits_for,
         paged_decode_attention,
     )
-    from nanoserve.kv.fp8 import quantize
 
     page, kvh, hq, d, pages = 256, 8, 32, 128, 80
     spec = KVSpec(1, page, kvh, d, kv_dtype)
     g = torch.Generator().manual_seed(batch)
-    host = spec.empty(1, pages, torch.device("cpu"))[0]
-    k, v, ks, vs = spec.views(host)
-    for values, scales in ((k, ks), (v, vs)):
-        x = torch.randn(values.shape, generator=g)
-        if scales is None:
-            values.copy_(x.to(kv_dtype))
-        else:
-            q8, s = quantize(x)
-            values.copy_(q8)
-            scales.copy_(s)
+    host = random_layer_rows(spec, pages, g)
     gpu = host.cuda()
     kc, vc, kcs, vcs = spec.views(gpu)
     lens = torch.randint(300, (pages // batch) * page, (batch,), generator=g)
