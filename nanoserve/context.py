@@ -10,12 +10,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from nanoserve.attention.cpu_share import CpuShare
 
 
 @dataclass
@@ -32,8 +29,9 @@ class ForwardContext:
     # a mixed step (prefill with decode rows riding along): its decode rows (the first tokens
     # and page-table rows) and its prompt chunks, each a context of its own kind
     parts: tuple[ForwardContext, ForwardContext] | None = None
-    # decode with a CPU share of the streamed layers' attention (attention/cpu_share.py)
-    cpu_share: CpuShare | None = None
+    # decode with a CPU share of the streamed layers' attention: an attention/cpu_share.py
+    # CpuShare (not imported: the context sits below the attention package)
+    cpu_share: Any = None
 
     def prepared_parts(self) -> tuple[ForwardContext, ...]:
         """The contexts an attention backend prepares metadata for: the parts of a mixed step,
