@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import random_layer_rows
 
-from nanoserve.attention.cpu_decode import _extension, cpu_decode_kernel, decode_torch
+from nanoserve.attention.cpu_decode import KINDS, _extension, cpu_decode_kernel, decode_torch
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
@@ -113,7 +113,7 @@ def test_the_reference_kernel_is_the_fallback_and_names_are_checked():
     (2, 4, 256),  # group 2, head_dim 256
     (1, 12, 32),  # group 12, head_dim 32: the plain-loop fallback
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
 def test_cpp_kernel_across_group_sizes_and_head_dims(kv_heads, q_heads, d, dtype):
     """Each of the C++ kernel's code paths against float64: jobs of every sequence in the
     batch, ranges that start and end mid-block and mid-page, every (token, q head) dot."""
@@ -153,3 +153,24 @@ def test_cpp_kernel_refuses_a_range_past_the_page_table():
     ends[0] = table.shape[1] * PAGE + 1  # one token past the row's last page
     with pytest.raises(RuntimeError, match="row 0 attends tokens past its page table"):
         cpu_decode_kernel("cpp")[1](q, rows, spec.layout, table, starts, ends, SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
+def test_the_build_for_cpus_without_avx512_matches_float64(dtype):
+    """A CPU without AVX-512 (AVX2 servers) compiles the kernel's portable loops only: built
+    here with -mno-avx512f, they match float64 too (the file once failed to compile so)."""
+    if _extension() is None:
+        pytest.skip("no C++ compiler here")
+    ext = _extension(without_avx512=True)
+    assert ext is not None, "the kernel builds for this CPU but not without AVX-512"
+    spec, rows = make_layer(dtype)
+    q, table, starts, ends = inputs()
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:2])
+    ext.decode(q, rows, table, starts, ends, KINDS[dtype], PAGE, KV_HEADS,
+               spec.layout.scales_start, SCALE, out, lse)
+    ref_out, ref_lse = reference(spec, rows, q, table, starts, ends)
+    full = [i for i, (s, e) in enumerate(RANGES) if e > s]
+    assert (out[full].double() - ref_out[full]).abs().max().item() < 1e-4
+    assert (lse[full].double() - ref_lse[full]).abs().max().item() < 1e-4
+    empty = [i for i, (s, e) in enumerate(RANGES) if e <= s]
+    assert torch.isinf(lse[empty]).all() and (out[empty] == 0).all()

@@ -49,28 +49,6 @@ struct Partial {
                                         l(q_heads, 0.f) {}
 };
 
-inline float scalar_load(const uint8_t* p, int kind, int64_t i) {
-  switch (kind) {
-    case BF16: {
-      uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-    case F16:
-      return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
-    case F32:
-      return reinterpret_cast<const float*>(p)[i];
-    default: {
-      // e4m3 s.eeee.mmm placed in a float16's sign, low exponent and high mantissa bits is the
-      // value times 2^-8, subnormals included (bias 7 against 15): exact
-      const uint16_t x = p[i];
-      const uint16_t h = static_cast<uint16_t>(((x & 0x80u) << 8) | ((x & 0x7fu) << 7));
-      return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-    }
-  }
-}
-
 inline float token_scale(const Geometry& g, const uint8_t* row, int64_t r, int64_t h) {
   if (g.kind != FP8) return 1.f;
   float s;
@@ -95,38 +73,81 @@ inline void softmax_block(float* s, int64_t n, float& m, float& l, float* acc, i
   m = m_new;
 }
 
-// The portable job: plain loops over one block at a time.
+// One token's K (or V) of one kv head as float32, times mul: loops without branches, which the
+// compiler vectorizes for the machine at hand (AVX2 and others)
+template <int KIND>
+inline void convert_row(const uint8_t* p, int64_t d, float mul, float* out) {
+  if constexpr (KIND == BF16) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(p);
+    for (int64_t i = 0; i < d; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      out[i] = f * mul;
+    }
+  } else if constexpr (KIND == F32) {
+    const float* x = reinterpret_cast<const float*>(p);
+    for (int64_t i = 0; i < d; ++i) out[i] = x[i] * mul;
+  } else if constexpr (KIND == F16) {
+    const c10::Half* x = reinterpret_cast<const c10::Half*>(p);
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(x[i]) * mul;
+  } else {
+    // e4m3 s.eeee.mmm placed in a float32's sign, low exponent and high mantissa bits is the
+    // value times 2^-120, subnormals included (bias 7 against 127): exact. mul holds the
+    // 2^8 of the float16 route (Geometry.value_mul), fix the rest
+    const float fix = 0x1p112f;
+    for (int64_t i = 0; i < d; ++i) {
+      const uint32_t x = p[i];
+      const uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7fu) << 20);
+      float f;
+      std::memcpy(&f, &bits, 4);
+      out[i] = f * (mul * fix);
+    }
+  }
+}
+
+// The portable job: a block's K and V of one kv head converted once into float32 buffers (the
+// group's q heads share them), then plain loops over them.
+template <int KIND>
 void run_job_generic(const Geometry& g, const float* q, const int32_t* table, int64_t lo,
                      int64_t hi, Partial& part) {
-  std::vector<float> s(BLOCK), vs(BLOCK);
+  const int64_t d = g.d;
+  std::vector<float> kb(BLOCK * d), vb(BLOCK * d), s(BLOCK);
   for (int64_t t0 = lo; t0 < hi;) {
     const int64_t page = table[t0 / g.page_size], r0 = t0 % g.page_size;
     const int64_t n = std::min<int64_t>({BLOCK, g.page_size - r0, hi - t0});
     const uint8_t* k_row = g.k_base + page * g.row_bytes;
     const uint8_t* v_row = g.v_base + page * g.row_bytes;
     for (int64_t h = 0; h < g.kv_heads; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t r = r0 + j, at = (r * g.kv_heads + h) * d * g.elem;
+        convert_row<KIND>(k_row + at, d, token_scale(g, k_row, r, h) * g.sm_scale,
+                          kb.data() + j * d);
+        convert_row<KIND>(v_row + at, d, token_scale(g, v_row, r, h), vb.data() + j * d);
+      }
       for (int64_t qh = h * g.group; qh < (h + 1) * g.group; ++qh) {
-        const float* qv = q + qh * g.d;
+        const float* qv = q + qh * d;
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t r = r0 + j;
-          const uint8_t* k = k_row + (r * g.kv_heads + h) * g.d * g.elem;
+          const float* kj = kb.data() + j * d;
           float dot = 0.f;
-          for (int64_t i = 0; i < g.d; ++i) dot += qv[i] * scalar_load(k, g.kind, i);
-          s[j] = dot * token_scale(g, k_row, r, h) * g.sm_scale;
+          for (int64_t i = 0; i < d; ++i) dot += qv[i] * kj[i];
+          s[j] = dot;
         }
-        float* acc = part.acc.data() + qh * g.d;
-        softmax_block(s.data(), n, part.m[qh], part.l[qh], acc, g.d);
+        float* acc = part.acc.data() + qh * d;
+        softmax_block(s.data(), n, part.m[qh], part.l[qh], acc, d);
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t r = r0 + j;
-          const uint8_t* v = v_row + (r * g.kv_heads + h) * g.d * g.elem;
-          const float p = s[j] * token_scale(g, v_row, r, h);
-          for (int64_t i = 0; i < g.d; ++i) acc[i] += p * scalar_load(v, g.kind, i);
+          const float* vj = vb.data() + j * d;
+          const float p = s[j];
+          for (int64_t i = 0; i < d; ++i) acc[i] += p * vj[i];
         }
       }
     }
     t0 += n;
   }
 }
+
+using JobFn = void (*)(const Geometry&, const float*, const int32_t*, int64_t, int64_t,
+                       Partial&);
 
 #ifdef NS_AVX512
 // 16 values of K or V at p (element i0 on), as float32
@@ -139,8 +160,10 @@ inline __m512 load16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   } else if constexpr (KIND == F32) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-  } else {  // e4m3 -> float16 bits (scalar_load says why) -> float32: the byte in the high
-    // half, shifted right one arithmetically (the sign lands in bits 15 and 14), bit 14 cleared
+  } else {  // e4m3 s.eeee.mmm placed in a float16's sign, low exponent and high mantissa
+    // bits is the value times 2^-8, subnormals included (bias 7 against 15), exactly; the
+    // byte goes in the high half, shifted right one arithmetically (the sign lands in bits 15
+    // and 14), bit 14 cleared, and the hardware converts the float16 to float32
     const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1);
     return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbfff))));
@@ -312,9 +335,6 @@ void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int
   }
 }
 
-using JobFn = void (*)(const Geometry&, const float*, const int32_t*, int64_t, int64_t,
-                       Partial&);
-
 template <int KIND, int G>
 JobFn pick_d(int64_t d) {
   switch (d) {
@@ -410,7 +430,8 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   }
   first_job[batch] = static_cast<int64_t>(jobs.size());
 
-  JobFn fn = run_job_generic;
+  JobFn fn = kind == BF16 ? run_job_generic<BF16> : kind == F16 ? run_job_generic<F16>
+              : kind == F32 ? run_job_generic<F32> : run_job_generic<FP8>;
 #ifdef NS_AVX512
   if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
 #endif
