@@ -84,6 +84,14 @@ def qwen3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def six_layer_dir(tmp_path_factory):
+    """A six-layer tiny Qwen3: room for resident and streamed layers in the offload tests."""
+    path = tmp_path_factory.mktemp("qwen3-6l")
+    make_hf_model("qwen3", path, num_hidden_layers=6)
+    return path
+
+
 def random_prompts(n: int, lengths, vocab: int = 320, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist()

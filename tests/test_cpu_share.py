@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model, random_prompts
+from conftest import random_prompts
 from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import SamplingParams
@@ -24,12 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 # one 4-token page of the 4 streamed layers (resident_layers=2 of 6), fp32
 STREAMED_PAGE_BYTES = KVSpec(6, 4, 2, 16, torch.float32).page_bytes(num_layers=4)
 
-
-@pytest.fixture(scope="module")
-def six_layer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-6l-cpu-share")
-    make_hf_model("qwen3", path, num_hidden_layers=6)
-    return path
 
 
 def llm_for(path, **kw):

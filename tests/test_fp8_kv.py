@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model, random_prompts
+from conftest import random_prompts
 from helpers import corrupt_host_scales, engine_prefill_logits, make_llm
 from test_needle import ALL_DEPTHS, CPU_LEN, format_table, run_needle
 
@@ -173,12 +173,6 @@ def test_chunked_prefill_agrees_with_unchunked_in_fp8():
 
 
 # --- offload on == off, and the needle -----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def six_layer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-6l-fp8")
-    make_hf_model("qwen3", path, num_hidden_layers=6)
-    return path
 
 
 def fp8_llm(path, **kw):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_hf_model, random_prompts
+from conftest import random_prompts
 from helpers import corrupt_host_kv, make_llm
 
 from nanoserve import SamplingParams
@@ -20,12 +20,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 DOC = random_prompts(1, [40], seed=30)[0]  # 10 full pages of 4 tokens
 QUESTIONS = random_prompts(4, [5, 3, 7, 6], seed=31)
 
-
-@pytest.fixture(scope="module")
-def six_layer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-6l-prefix")
-    make_hf_model("qwen3", path, num_hidden_layers=6)
-    return path
 
 
 def tokens(outs):

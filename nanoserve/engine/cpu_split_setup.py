@@ -34,7 +34,7 @@ def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads:
     device = kv.device
     if device.type == "cuda" and tp_size() > 1:  # the ranks share this host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // tp_size()))
-    kernel_name, kernel = cpu_decode_kernel("auto")
+    _, kernel = cpu_decode_kernel("auto")
     share = CpuShare(kv.streamer.host.data, kv.spec.layout, kernel, max_rows, num_heads,
                      head_dim, scale, device)
     if device.type == "cuda":  # the rates, also for a fixed fraction: reported beside it
