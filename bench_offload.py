@@ -304,6 +304,15 @@ def cpu_split_figures(runner) -> dict:
     if split is not None and split.fixed is None:
         out["cpu_kernel_GBps_in_run"] = split.cpu_rate / 1e9
         out["cpu_overhead_us_in_run"] = split.overhead * 1e6
+    if share.history:  # the decode steps' medians, per layer: kernel, host time between them
+        gap, work, tokens, _ = (statistics.median(x) for x in zip(*share.history, strict=True))
+        step_gaps = [h[3] for h in share.history if h[3] == h[3]]  # not the first step's nan
+        step_gap = statistics.median(step_gaps) if step_gaps else float("nan")
+        page_bytes = runner.kv.spec.page_bytes(1)
+        out["cpu_kernel_GBps_median"] = tokens / runner.cfg.page_size * page_bytes / work / 1e9
+        out["cpu_work_us_median"] = work * 1e6
+        out["cpu_gap_us_median"] = gap * 1e6
+        out["cpu_step_gap_ms_median"] = step_gap * 1e3
     return out
 
 
@@ -528,6 +537,11 @@ def print_table(rows: list[dict], ceil: dict) -> None:
                   f"{r['cpu_probe_cpu_both_GBps']:.1f} with the link, link "
                   f"{r['cpu_probe_link_alone_GBps']:.1f} / {r['cpu_probe_link_both_GBps']:.1f} "
                   f"({r['cpu_probe_threads']} threads){run}")
+            if "cpu_work_us_median" in r:
+                print(f"    per layer (medians): kernel {r['cpu_work_us_median']:.0f} us "
+                      f"({r['cpu_kernel_GBps_median']:.1f} GB/s), host between kernels "
+                      f"{r['cpu_gap_us_median']:.0f} us; between steps "
+                      f"{r['cpu_step_gap_ms_median']:.2f} ms")
     tp_rows = [r for r in rows if "tpot_vs_tp1" in r]
     if tp_rows:
         print("\ntensor parallel / one GPU, same mode, context and batch (lower is better):")

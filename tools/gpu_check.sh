@@ -74,7 +74,7 @@ for w in $what; do
     splitbench)  # issue 33's table: every layer streamed, the split off / auto / fixed
       run $B --input-len ${SPLIT_LENS:-32768} --batch-size ${SPLIT_BATCH:-1} --offload-graph \
         --cpu-attention ${SPLIT_CPU:-off,auto} --kv-cache-dtype ${SPLIT_KV:-auto} \
-        --out "$OUT/split" 2>&1 | grep -v "it/s\]" | tail -8 ;;
+        --out "$OUT/split-${SPLIT_KV:-auto}-b${SPLIT_BATCH:-1}" 2>&1 | grep -v "it/s\]" | tail -24 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
         for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous

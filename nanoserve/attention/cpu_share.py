@@ -25,6 +25,7 @@ at the host's work instead, so a streamed layer replays as graph, mark, graph, h
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -76,7 +77,12 @@ class CpuShare:
         self.worked = self.between = 0.0
         self.layers = self.gaps = 0
         self.on_step: Callable[[float, float, int], None] | None = None  # (gap, work, tokens)
+        # recent steps' (gap, work) per layer, tokens per layer, and the host's time from the
+        # step's last kernel to the next step's first (what the bench reports)
+        self.history: deque[tuple[float, float, int, float]] = deque(maxlen=1024)
         self._last_end: float | None = None
+        self._step_end: float | None = None
+        self._step_gap = float("nan")
         self.cleared = True  # o, lse hold zeros and -inf: what an inactive step uploads
         self.sync = EagerSync(device)
         self.probe: dict | None = None  # the start-up probe's figures (cpu_split_setup.py)
@@ -86,11 +92,15 @@ class CpuShare:
         """A decode step: each row's CPU token count and page table (host arrays), and its
         first GPU token (on the device); None: no CPU share in this step. Rows past them
         (graph padding) have none."""
-        if self.on_step is not None and self.gaps:  # the last step's figures, per layer
-            self.on_step(self.between / self.gaps, self.worked / self.layers, self.tokens)
+        if self.gaps:  # the last step's figures, per layer
+            gap, work = self.between / self.gaps, self.worked / self.layers
+            self.history.append((gap, work, self.tokens, self._step_gap))
+            if self.on_step is not None:
+                self.on_step(gap, work, self.tokens)
         self.worked = self.between = 0.0
         self.layers = self.gaps = 0
-        self._last_end = None
+        self._step_end, self._last_end = self._last_end, None
+        self._step_gap = float("nan")
         n = 0 if cpu_tokens is None else len(cpu_tokens)
         self.ends.zero_()
         self.starts[n:].zero_()
@@ -128,6 +138,8 @@ class CpuShare:
             if self._last_end is not None:
                 self.between += t - self._last_end
                 self.gaps += 1
+            elif self._step_end is not None:
+                self._step_gap = t - self._step_end
             self.kernel(self.q[:rows], self.host_kv[host_layer], self.layout, self.table,
                         self.zeros[:rows], self.ends[:rows], self.scale,
                         out=(self.o[:rows], self.lse[:rows]))

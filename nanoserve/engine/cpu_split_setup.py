@@ -85,10 +85,12 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
 
     cpu()  # warm: threads, page faults
     # torch's thread count is the physical cores; the kernel waits on memory, where the
-    # logical cores' second threads may help: the faster of the two is kept
+    # logical cores' second threads may help; one fewer leaves a core to the host thread's
+    # other work and the CUDA driver's. The fastest is kept
     logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
-    counts = sorted({torch.get_num_threads(), max(1, logical // max(1, tp_size()))})
+    physical = torch.get_num_threads()
+    counts = sorted({physical, max(1, physical - 1), max(1, logical // max(1, tp_size()))})
     by_threads = {}
     for n in counts:
         torch.set_num_threads(n)

@@ -22,10 +22,12 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -410,7 +412,7 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
 
-  // jobs: runs of one sequence's tokens, about four per thread over the whole batch
+  // jobs: runs of one sequence's tokens, about eight per thread over the whole batch
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) {
     if (hi[b] <= lo[b]) continue;
@@ -418,7 +420,8 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
                 "row ", b, " attends tokens past its page table");
     total += hi[b] - lo[b];
   }
-  const int64_t want = 4 * at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = 8 * threads;
   int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
   chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
   struct Job { int64_t b, lo, hi; };
@@ -435,20 +438,27 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
 #ifdef NS_AVX512
   if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
 #endif
-  std::vector<Partial> parts(jobs.size(), Partial(q_heads, d));
-  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t a, int64_t z) {
-    for (int64_t i = a; i < z; ++i) {
+  // Threads take jobs from a shared counter rather than fixed ranges: on a busy host (a
+  // virtual machine's cores, the CUDA driver's threads) one descheduled thread then delays
+  // one job, not its whole range. Each job's partial is allocated by the thread that runs it.
+  const int64_t n_jobs = static_cast<int64_t>(jobs.size());
+  std::vector<std::optional<Partial>> parts(n_jobs);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n_jobs), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n_jobs; i = next.fetch_add(1)) {
       const Job& job = jobs[i];
-      fn(g, qp + job.b * q_heads * d, table + job.b * width, job.lo, job.hi, parts[i]);
+      parts[i].emplace(q_heads, d);
+      fn(g, qp + job.b * q_heads * d, table + job.b * width, job.lo, job.hi, *parts[i]);
     }
   });
 
   // merge each sequence's jobs by their LSE
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < q_heads; ++h) {
+  at::parallel_for(0, batch * q_heads, 8, [&](int64_t a, int64_t z) {
+    for (int64_t bh = a; bh < z; ++bh) {
+      const int64_t b = bh / q_heads, h = bh % q_heads;
       float* o = op + (b * q_heads + h) * d;
       float m = NEG_INF;
-      for (int64_t i = first_job[b]; i < first_job[b + 1]; ++i) m = std::max(m, parts[i].m[h]);
+      for (int64_t i = first_job[b]; i < first_job[b + 1]; ++i) m = std::max(m, parts[i]->m[h]);
       std::fill(o, o + d, 0.f);
       if (m == NEG_INF) {
         lp[b * q_heads + h] = NEG_INF;
@@ -456,15 +466,15 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
       }
       float l = 0.f;
       for (int64_t i = first_job[b]; i < first_job[b + 1]; ++i) {
-        const float w = std::exp(parts[i].m[h] - m);
-        l += parts[i].l[h] * w;
-        const float* acc = parts[i].acc.data() + h * d;
+        const float w = std::exp(parts[i]->m[h] - m);
+        l += parts[i]->l[h] * w;
+        const float* acc = parts[i]->acc.data() + h * d;
         for (int64_t k = 0; k < d; ++k) o[k] += acc[k] * w;
       }
       for (int64_t k = 0; k < d; ++k) o[k] /= l;
       lp[b * q_heads + h] = m + std::log(l);
     }
-  }
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
