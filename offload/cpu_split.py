@@ -12,9 +12,9 @@ which for large B tends to cpu_rate / (cpu_rate + link_rate). Rows that share pr
 CPU's, which reads them for each row: the more rows share, the less goes to the CPU.
 
 The start-up probe measures the rates; each decode step with a CPU share then refines the
-CPU's rate and the overhead from what the host saw (`calibrated`): the probe cannot see the
-layer's own GPU work, which on an H100 with Qwen3-8B at batch 1 made the overhead ~0.4 ms a
-layer against the probe's sync alone. A fixed fraction skips all that. Each row gives the
+rates and the overhead from what the host saw (`calibrated`): the probe cannot see the layer's
+own GPU work, which with Qwen3-8B at batch 1 made the overhead 0.2-0.4 ms a layer against the
+probe's sync alone. A fixed fraction skips all that. Each row gives the
 CPU floor(f * its full host pages).
 """
 
@@ -54,19 +54,33 @@ class CpuSplit:
                    link_bytes: int = 0) -> CpuSplit:
         """The split after a decode step whose host spent `work` seconds per layer in the CPU
         kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next,
-        while the link moved `link_bytes` per layer (measured split only). The CPU's rate is
-        the one just seen. The gap is the overhead plus whatever of the link's share was still
-        arriving when the CPU finished (predicted from the link's rate); what is left is
-        averaged into the overhead, a single reading capped at 4x the estimate (a hiccup)."""
+        while the link moved `link_bytes` per layer (measured split only).
+
+        The CPU's rate is the one just seen (averaged with the last). A layer's cycle, work
+        plus gap, is paced by the CPU or by the link. The link runs layers ahead of the CPU,
+        so where the cycle is longer than the link needs for its share, the CPU set the pace
+        and the whole gap is overhead, averaged in (a single reading capped at 4x the
+        estimate: a hiccup). Where the link set the pace, the gap is waiting for it and tells
+        nothing of the overhead: the estimate decays (more goes to the CPU, until it sets the
+        pace and is measured again), and the link's rate is the one just seen. The link's rate
+        only ever comes from what it did, so it never exceeds the real one."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
-        rate = cpu_bytes / work
-        seen = max(0.0, gap - max(0.0, link_bytes / self.link_rate - work))
+        rate, cycle = cpu_bytes / work, work + gap
+        link_rate = self.link_rate
+        if link_bytes and cycle <= 1.05 * link_bytes / self.link_rate:  # the link's pace
+            seen, link_rate = 0.0, link_bytes / cycle
+        else:
+            seen = gap
+            if link_bytes:
+                link_rate = max(link_rate, link_bytes / cycle)
         if not self.calibrated_steps:
-            return replace(self, cpu_rate=rate, overhead=seen, calibrated_steps=1)
+            return replace(self, cpu_rate=rate, overhead=seen, link_rate=link_rate,
+                           calibrated_steps=1)
         if self.overhead > 0:
             seen = min(seen, 4 * self.overhead)
         return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate),
+                       link_rate=0.5 * (self.link_rate + link_rate),
                        overhead=0.7 * self.overhead + 0.3 * seen,
                        calibrated_steps=self.calibrated_steps + 1)
 

@@ -113,19 +113,27 @@ def test_cpu_pages_per_row():
 
 
 def test_calibration_from_what_the_host_saw():
-    """A measured split takes the CPU rate just seen (averaged with the last) and, as its
-    overhead, the gap between kernels less what the link still had to move after the CPU's
-    work, averaged in (a hiccup capped at 4x the estimate); a fixed split ignores both."""
+    """A measured split takes the CPU rate just seen (averaged with the last). Where the CPU
+    set a layer's pace (its cycle, work plus gap, longer than the link needs), the gap is
+    overhead, averaged in (a hiccup capped at 4x the estimate); where the link set it, the
+    overhead decays and the link's rate is the one seen. A fixed split ignores all of it."""
     probe = CpuSplit(cpu_rate=80e9, link_rate=40e9, overhead=50e-6)
     one = probe.calibrated(gap=400e-6, work=1e-3, cpu_bytes=60 * 10**6)
     assert (one.cpu_rate, one.overhead, one.calibrated_steps) == (60e9, 400e-6, 1)
     two = one.calibrated(gap=600e-6, work=1e-3, cpu_bytes=40 * 10**6)
     assert two.cpu_rate == pytest.approx(50e9)
     assert two.overhead == pytest.approx(0.7 * 400e-6 + 0.3 * 600e-6)
-    # link-bound: 60 MB at 40 GB/s is 1.5 ms, 0.5 ms after the CPU's 1 ms: the gap's 0.9 ms
-    # is 0.4 ms of overhead
-    three = one.calibrated(gap=900e-6, work=1e-3, cpu_bytes=60 * 10**6, link_bytes=60 * 10**6)
-    assert three.overhead == pytest.approx(400e-6)
+    # CPU-paced: 40 MB cross the link in 1 ms, the cycle is 1.9 ms: all of the gap is
+    # overhead, and the link did its share in at most the cycle (40 MB / 1.9 ms < 40 GB/s)
+    three = one.calibrated(gap=900e-6, work=1e-3, cpu_bytes=60 * 10**6, link_bytes=40 * 10**6)
+    assert three.overhead == pytest.approx(0.7 * 400e-6 + 0.3 * 900e-6)
+    assert three.link_rate == pytest.approx(40e9)
+    # link-paced: 60 MB at 40 GB/s is 1.5 ms, the cycle 1.45 ms: the gap was waiting for the
+    # link; the overhead decays, the link's rate is what it did (60 MB in 1.45 ms)
+    four = one.calibrated(gap=450e-6, work=1e-3, cpu_bytes=60 * 10**6, link_bytes=60 * 10**6)
+    assert four.overhead == pytest.approx(0.7 * 400e-6)
+    assert four.link_rate == pytest.approx(0.5 * (40e9 + 60e6 / 1.45e-3))
+    assert four.fraction(134 * 10**6) > one.fraction(134 * 10**6)  # more to the CPU
     hiccup = one.calibrated(gap=20e-3, work=1e-3, cpu_bytes=60 * 10**6)
     assert hiccup.overhead == pytest.approx(0.7 * 400e-6 + 0.3 * 1600e-6)
     # a slower CPU and a larger overhead than the probe saw: less on the CPU
