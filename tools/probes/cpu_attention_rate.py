@@ -79,7 +79,7 @@ def main() -> None:
                 torch.set_num_threads(n)
                 turn = iter(range(1 << 30))
 
-                def call(kw=kw, turn=turn, layers=layers) -> None:
+                def call(kw=kw, turn=turn) -> None:
                     spec, rows = layers[next(turn) % len(layers)]
                     kernel(q, rows, spec.layout, table, starts, ends, 0.088, **kw)
 
