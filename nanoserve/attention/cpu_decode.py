@@ -107,12 +107,9 @@ def _extension(without_avx512: bool = False):
 
 def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
                page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-               scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               bf16_dot: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """out: (o, lse) to write into (pinned buffers on the offloaded path). bf16_dot: where
-    the CPU has bf16 dot instructions, the queries are all bf16 values and K is bf16 or FP8,
-    the scores use them (the same products, summed in another order; FP8's subnormals, below
-    2^-6 of a token's largest magnitude 448, read as zero); False: never (tests)."""
+               scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out: (o, lse) to write into (pinned buffers on the offloaded path)."""
     ext = _extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is not available on this machine")
@@ -120,7 +117,7 @@ def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
     o, lse = out if out is not None else (torch.empty_like(q), q.new_empty(q.shape[:2]))
     ext.decode(q, layer_kv.contiguous(), page_table.contiguous(), starts, ends,
                KINDS[layout.dtype], layout.page_size, layout.num_kv_heads, layout.scales_start,
-               scale, o, lse, bf16_dot)
+               scale, o, lse)
     return o, lse
 
 

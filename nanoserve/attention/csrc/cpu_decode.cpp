@@ -19,9 +19,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define NS_AVX512 1
-#if defined(__AVX512BF16__)
-#define NS_BF16DOT 1
-#endif
 #endif
 
 #include <algorithm>
@@ -45,10 +42,6 @@ struct Geometry {
   const uint8_t* v_base;
   int kind;
   float sm_scale, value_mul;  // value_mul: FP8's values come out 2^-8 too small (below)
-  // the bf16 dot path (NS_BF16DOT): q is scaled by 2^q_shift before it is rounded to bf16
-  // (exactly: it was bf16 already), and the scores by score_mul after
-  int q_shift = 0;
-  float score_mul = 1.f;
 };
 
 // A job's running state per query head: unnormalized output, max score, sum of exps.
@@ -214,60 +207,6 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
 }
 
-#ifdef NS_BF16DOT
-// 32 values of K at p as bf16. FP8 e4m3 by bit placement: the byte's sign to bit 15, its
-// exponent and mantissa to bf16's low exponent bits and high mantissa, so the value is the
-// e4m3 value times 2^-120 (bias 7 against 127), exactly; e4m3's subnormals (below 2^-6 of
-// 448, the scale's maximum) land on bf16 subnormals, which the dot instruction reads as zero.
-template <int KIND>
-inline __m512bh load_bf16x32(const uint8_t* p) {
-  if constexpr (KIND == FP8) {
-    const __m512i x =
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return (__m512bh)_mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(x, 8), 4),
-                                      _mm512_set1_epi16(static_cast<short>(0x87f0)));
-  } else {
-    return (__m512bh)_mm512_loadu_si512(p);
-  }
-}
-
-// A job's queries as bf16, 32 values a vector, times 2^q_shift: [q_heads][D / 32]
-inline void queries_bf16(const Geometry& g, const float* q, __m512bh* out) {
-  const __m512 mul = _mm512_set1_ps(std::ldexp(1.f, g.q_shift));
-  for (int64_t i = 0; i < g.q_heads * g.d / 32; ++i)
-    out[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), mul),
-                                 _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), mul));
-}
-
-// block_scores with bf16 dots (VDPBF16PS: 32 products a instruction, summed in float32) on
-// bf16 queries: exact products, no conversion of bf16 K and a cheaper one of FP8's
-template <int KIND, int D, int G>
-inline void block_scores_dot(const Geometry& g, const __m512bh* qb, const uint8_t* k_row,
-                             int64_t r0, int64_t n, int64_t h, float (*s)[BLOCK]) {
-  constexpr int C = D / 32, TOK = 16 / G;
-  alignas(64) float out[16];
-  for (int64_t j0 = 0; j0 < n; j0 += TOK) {
-    const int64_t tn = std::min<int64_t>(TOK, n - j0);
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int t = 0; t < TOK; ++t) {
-      if (t >= tn) break;
-      const uint8_t* k = k_row + ((r0 + j0 + t) * g.kv_heads + h) * D * g.elem;
-      for (int c = 0; c < C; ++c) {
-        const __m512bh kc = load_bf16x32<KIND>(k + c * 32 * g.elem);
-        for (int gi = 0; gi < G; ++gi)
-          acc[t * G + gi] = _mm512_dpbf16_ps(acc[t * G + gi], qb[gi * C + c], kc);
-      }
-    }
-    _mm512_store_ps(out, hsum16(acc));
-    for (int t = 0; t < tn; ++t) {
-      const float ks = token_scale(g, k_row, r0 + j0 + t, h) * g.sm_scale * g.score_mul;
-      for (int gi = 0; gi < G; ++gi) s[gi][j0 + t] = out[t * G + gi] * ks;
-    }
-  }
-}
-#endif
-
 // Scores of a block's n tokens for the G q heads of kv head h, 16 / G tokens at a time: their
 // K converted once, every (token, q head) dot in its own register, then one hsum16.
 template <int KIND, int D, int G>
@@ -322,18 +261,13 @@ inline __m512 exp16(__m512 x) {
 
 // The vectorized job for head_dim D and group size up to 8 (the q heads of one kv head keep
 // their partial dots in registers); FIXED_G > 0: the group size, known at compile time.
-// DOT: the scores by bf16 dots (block_scores_dot; bf16 or FP8 K, the q heads bf16 exactly).
-template <int KIND, int D, int FIXED_G, bool DOT = false>
+template <int KIND, int D, int FIXED_G>
 void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int64_t lo,
                     int64_t hi, Partial& part) {
   constexpr int C = D / 16;  // vectors per head_dim
   const int64_t G = FIXED_G > 0 ? FIXED_G : g.group;
   alignas(64) float s[8][BLOCK];
   alignas(64) float vscale[BLOCK];
-#ifdef NS_BF16DOT
-  std::vector<__m512bh> qb(DOT ? g.q_heads * D / 32 : 0);
-  if constexpr (DOT) queries_bf16(g, q, qb.data());
-#endif
   for (int64_t t0 = lo; t0 < hi;) {
     const int64_t page = table[t0 / g.page_size], r0 = t0 % g.page_size;
     const int64_t n = std::min<int64_t>({BLOCK, g.page_size - r0, hi - t0});
@@ -342,11 +276,7 @@ void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int
     const uint8_t* v_row = g.v_base + page * g.row_bytes;
     for (int64_t h = 0; h < g.kv_heads; ++h) {
       const float* qh = q + h * G * D;
-      if constexpr (DOT) {
-#ifdef NS_BF16DOT
-        block_scores_dot<KIND, D, FIXED_G>(g, qb.data() + h * G * D / 32, k_row, r0, n, h, s);
-#endif
-      } else if constexpr (FIXED_G > 0) {
+      if constexpr (FIXED_G > 0) {
         block_scores<KIND, D, FIXED_G>(g, qh, k_row, r0, n, h, s);
       } else {
       // scores: each token's K converted once, dotted with every q head of the group
@@ -407,12 +337,12 @@ void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int
   }
 }
 
-template <int KIND, int G, bool DOT = false>
+template <int KIND, int G>
 JobFn pick_d(int64_t d) {
   switch (d) {
-    case 64: return run_job_avx512<KIND, 64, G, DOT>;
-    case 128: return run_job_avx512<KIND, 128, G, DOT>;
-    case 256: return run_job_avx512<KIND, 256, G, DOT>;
+    case 64: return run_job_avx512<KIND, 64, G>;
+    case 128: return run_job_avx512<KIND, 128, G>;
+    case 256: return run_job_avx512<KIND, 256, G>;
     default: return nullptr;
   }
 }
@@ -428,14 +358,8 @@ JobFn pick_g(int64_t d, int64_t group) {
   }
 }
 
-JobFn pick_avx512(int kind, int64_t d, int64_t group, bool dot) {
+JobFn pick_avx512(int kind, int64_t d, int64_t group) {
   if (group > 8) return nullptr;
-#ifdef NS_BF16DOT
-  if (dot && (group == 4 || group == 8) && (kind == BF16 || kind == FP8)) {
-    if (kind == BF16) return group == 4 ? pick_d<BF16, 4, true>(d) : pick_d<BF16, 8, true>(d);
-    return group == 4 ? pick_d<FP8, 4, true>(d) : pick_d<FP8, 8, true>(d);
-  }
-#endif
   switch (kind) {
     case BF16: return pick_g<BF16>(d, group);
     case F16: return pick_g<F16>(d, group);
@@ -443,36 +367,13 @@ JobFn pick_avx512(int kind, int64_t d, int64_t group, bool dot) {
     default: return pick_g<FP8>(d, group);
   }
 }
-
-// Whether the bf16 dot path applies: every query value is a bf16 value (the model's dtype is
-// bf16), so rounding them to bf16 loses nothing. Sets the power of 2 the queries are scaled by
-// (FP8's K comes out 2^-120 small, so q is scaled up by as much as its range allows) and the
-// scores' factor that undoes both.
-bool bf16_queries(Geometry& g, const float* q, int64_t batch) {
-  const int64_t n = batch * g.q_heads * g.d;
-  float top = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, q + i, 4);
-    if (bits & 0xffffu) return false;
-    top = std::max(top, std::fabs(q[i]));
-  }
-  if (!std::isfinite(top)) return false;
-  int e = 0;
-  std::frexp(top, &e);  // top < 2^e
-  g.q_shift = g.kind == FP8 ? std::min(120, 126 - e) : 0;
-  // token_scale already carries FP8's 2^8 of the float16 path: 2^(120 - 8 - q_shift) is left
-  g.score_mul = std::ldexp(1.f, g.kind == FP8 ? 112 - g.q_shift : 0);
-  return true;
-}
 #endif
 
 }  // namespace
 
 void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::Tensor starts,
             torch::Tensor ends, int64_t kind, int64_t page_size, int64_t num_kv_heads,
-            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse,
-            bool use_dot) {
+            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
               "q: contiguous float32 [batch, q_heads, head_dim]");
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 3, "kv: contiguous [2, pages, row]");
@@ -535,7 +436,7 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   JobFn fn = kind == BF16 ? run_job_generic<BF16> : kind == F16 ? run_job_generic<F16>
               : kind == F32 ? run_job_generic<F32> : run_job_generic<FP8>;
 #ifdef NS_AVX512
-  if (JobFn f = pick_avx512(g.kind, d, g.group, use_dot && bf16_queries(g, qp, batch))) fn = f;
+  if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
 #endif
   // Threads take jobs from a shared counter rather than fixed ranges: on a busy host (a
   // virtual machine's cores, the CUDA driver's threads) one descheduled thread then delays
