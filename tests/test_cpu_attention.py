@@ -6,12 +6,20 @@ and the split of a context's tokens between two calls merging to the whole, exac
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 from helpers import random_layer_rows
 
-from nanoserve.attention.cpu_decode import KINDS, _extension, cpu_decode_kernel, decode_torch
+from nanoserve.attention.cpu_decode import (
+    KINDS,
+    _extension,
+    cpu_decode_kernel,
+    decode_cpp,
+    decode_torch,
+    share_worker,
+)
 from nanoserve.attention.prefill import merge_partials
 from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
@@ -174,3 +182,54 @@ def test_the_build_for_cpus_without_avx512_matches_float64(dtype):
     assert (lse[full].double() - ref_lse[full]).abs().max().item() < 1e-4
     empty = [i for i, (s, e) in enumerate(RANGES) if e <= s]
     assert torch.isinf(lse[empty]).all() and (out[empty] == 0).all()
+
+
+def _await(flag: torch.Tensor, value: int, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while int(flag) != value:
+        assert time.monotonic() < end, f"the worker never set the flag to {value}"
+        time.sleep(1e-4)
+
+
+def test_the_share_worker_serves_each_flagged_layer_in_order():
+    """The host's thread (csrc/cpu_decode.cpp ShareWorker), with this test as the GPU: it
+    serves the submitted step whose number reaches layer 0's q flag (a step submitted but
+    never run is dropped), runs a layer only once its q flag says so, writes the kernel's
+    output, then the done flag; each served step's figures come back once."""
+    if _extension() is None:
+        pytest.skip("no C++ compiler here")
+    spec = KVSpec(1, PAGE, KV_HEADS, D, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    host_kv = torch.stack([random_layer_rows(spec, PAGES, g) for _ in range(3)])
+    q, table, _, _ = inputs()
+    q, table = q[:2].contiguous(), table[:2].contiguous()
+    ends = torch.tensor([100, 0], dtype=torch.int32)
+    o, lse = torch.zeros_like(q), torch.zeros(q.shape[:2])
+    q_flags, done = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    worker = share_worker(q, o, lse, host_kv, q_flags, done, spec.layout, SCALE, 1)
+    try:
+        worker.submit(4, ends, table)  # never reaches the GPU
+        worker.submit(5, ends, table)
+        for layer in range(3):
+            q_flags[layer] = 5
+            _await(done[layer], 5)
+            want_o, want_lse = decode_cpp(q, host_kv[layer], spec.layout, table,
+                                          torch.zeros(2, dtype=torch.int32), ends, SCALE)
+            assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+            assert lse[1].eq(-math.inf).all() and o[1].eq(0).all()  # no CPU tokens
+            if layer < 2:  # the next layer waits for its q
+                time.sleep(0.05)
+                assert int(done[layer + 1]) == 0
+        stats = worker.drain()
+        assert len(stats) == 1 and stats[0][2] == 100 and stats[0][1] > 0
+        assert worker.drain() == [] and worker.error() == ""
+        # a row past its page table: zeros, the done flags all the same, the error kept
+        worker.submit(6, torch.tensor([PAGE * table.shape[1] + 1, 0], dtype=torch.int32),
+                      table)
+        for layer in range(3):
+            q_flags[layer] = 6
+            _await(done[layer], 6)
+        assert o.eq(0).all() and lse.eq(-math.inf).all()
+        assert "past its page table" in worker.error()
+    finally:
+        worker.close()

@@ -75,7 +75,7 @@ class AttentionBackend(ABC):
         store (attention/cpu_share.py): q to the host, the GPU's share enqueued, the CPU's
         share, then the merge by log-sum-exp."""
         share = ctx.cpu_share
-        share.send_q(q)
+        share.send_q(q, layer.host_layer)
         partial = self.decode_partial(q, layer, ctx, share.starts[:q.shape[0]])
         o, lse = share.attend(layer.host_layer, q.shape[0])
         return self.merge_decode(partial, o, lse, q)

@@ -121,6 +121,20 @@ def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
     return o, lse
 
 
+def share_worker(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, host_kv: torch.Tensor,
+                 q_flags: torch.Tensor, done_flags: torch.Tensor, layout: PageLayout,
+                 scale: float, threads: int):
+    """The C++ thread that runs the CPU's share of each streamed layer when the GPU flags
+    its queries (attention/cpu_share.py), over pinned q, o, lse and the host store's layers
+    [layers, 2, pages, row]; None where the C++ kernel could not be built."""
+    ext = _extension()
+    if ext is None:
+        return None
+    return ext.ShareWorker(q, o, lse, host_kv, q_flags, done_flags, KINDS[layout.dtype],
+                           layout.page_size, layout.num_kv_heads, layout.scales_start, scale,
+                           threads)
+
+
 KERNELS: dict[str, Kernel] = {"cpp": decode_cpp, "torch": decode_torch}
 
 

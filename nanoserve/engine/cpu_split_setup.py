@@ -39,6 +39,10 @@ def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads:
                      head_dim, scale, device)
     if device.type == "cuda":  # the rates, also for a fixed fraction: reported beside it
         measured = measure_split(share, kv)
+        share.threads = torch.get_num_threads()  # the probe's choice
+        if not share.start_worker():
+            log.warning("CPU attention: the engine's thread runs the CPU's share (no C++ "
+                        "kernel here): slower than a thread of its own")
         if fixed is None:
             return share, measured
     if fixed is not None:

@@ -107,7 +107,8 @@ class StepExecutor:
             return
         s = self.streamer
         if self.cpu_share is not None and plan.tail_pages is not None:  # decode
-            self.cpu_share.begin_step(plan.cpu_tokens, plan.cpu_table, plan.gpu_starts)
+            self.cpu_share.begin_step(plan.cpu_tokens, plan.cpu_table, plan.gpu_starts,
+                                      plan.tail_pages.shape[0])
         s.begin_step(plan)
         segments[0]()
         for j, segment in enumerate(segments[1:-1]):

@@ -16,6 +16,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define NS_AVX512 1
@@ -23,11 +27,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <condition_variable>
 #include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -477,7 +488,182 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   });
 }
 
+// The host side of CPU attention beside the link, as a thread of its own (attention/
+// cpu_share.py): the GPU copies a streamed layer's queries to the pinned q buffer, then the
+// step's number into q_flags[layer]; this thread, which spins on that flag, runs the kernel
+// over the layer's host KV into the pinned o and lse buffers and then writes the step's number
+// into done_flags[layer], on which a GPU kernel spins before it uploads them. Steps are
+// submitted by number with their rows' ranges and page tables before the GPU runs them; the
+// thread serves whichever submitted step the GPU reaches (one that does not use the share,
+// such as a step mixing prefill and decode, is dropped when a later one is served).
+class ShareWorker {
+ public:
+  ShareWorker(torch::Tensor q, torch::Tensor o, torch::Tensor lse, torch::Tensor host_kv,
+              torch::Tensor q_flags, torch::Tensor done_flags, int64_t kind, int64_t page_size,
+              int64_t num_kv_heads, int64_t scales_offset, double sm_scale, int64_t threads)
+      : q_(q), o_(o), lse_(lse), host_kv_(host_kv), kind_(kind), page_size_(page_size),
+        kv_heads_(num_kv_heads), scales_offset_(scales_offset), sm_scale_(sm_scale),
+        threads_(threads) {
+    TORCH_CHECK(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
+                q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0),
+                "flags: int32, one per streamed layer");
+    q_flags_ = reinterpret_cast<volatile int32_t*>(q_flags.data_ptr<int32_t>());
+    done_flags_ = reinterpret_cast<std::atomic<int32_t>*>(done_flags.data_ptr<int32_t>());
+    flag_owners_ = {q_flags, done_flags};
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~ShareWorker() { close(); }
+
+  void submit(int64_t step, torch::Tensor ends, torch::Tensor table) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps_[static_cast<int32_t>(step)] = {ends.to(torch::kInt32).contiguous().clone(),
+                                          table.to(torch::kInt32).contiguous().clone()};
+    wake_.notify_one();
+  }
+
+  // the served steps' (gap, work) per layer in seconds, tokens per layer, and the time from
+  // the last served step's last kernel to this one's first (NaN for the first)
+  std::vector<std::tuple<double, double, int64_t, double>> drain() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto out = std::move(stats_);
+    stats_.clear();
+    return out;
+  }
+
+  std::string error() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    wake_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Step { torch::Tensor ends, table; };
+  using Clock = std::chrono::steady_clock;
+
+  static double seconds(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+
+  // spins until flag == want (yielding after a while); false when stopped
+  bool await(int64_t layer, int32_t want) {
+    const auto start = Clock::now();
+    for (int64_t i = 0; q_flags_[layer] != want; ++i) {
+      if ((i & 1023) == 0) {
+        if (stopped()) return false;
+        if (seconds(start, Clock::now()) > 1e-3)
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+#ifdef NS_AVX512
+      _mm_pause();
+#endif
+    }
+    return true;
+  }
+
+  bool stopped() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stop_;
+  }
+
+  // the next step the GPU has reached: the oldest submitted one whose layer-0 flag is set
+  bool next_step(int32_t& number, Step& step) {
+    const auto start = Clock::now();
+    for (int64_t i = 0;; ++i) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stop_ || !steps_.empty(); });
+        if (stop_) return false;
+        const int32_t seen = q_flags_[0];
+        auto it = steps_.find(seen);
+        if (it != steps_.end()) {
+          number = seen;
+          step = it->second;
+          steps_.erase(steps_.begin(), std::next(it));  // it and any step the GPU skipped
+          return true;
+        }
+      }
+      if (seconds(start, Clock::now()) > 1e-3)
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+#ifdef NS_AVX512
+      else
+        _mm_pause();
+#endif
+    }
+  }
+
+  void loop() {
+#ifdef _OPENMP
+    if (threads_ > 0) omp_set_num_threads(static_cast<int>(threads_));  // this thread's teams
+#endif
+    const int64_t layers = host_kv_.size(0);
+    std::optional<Clock::time_point> last_end;
+    int32_t number = 0;
+    Step step;
+    while (next_step(number, step)) {
+      const int64_t rows = step.ends.numel();
+      const int64_t tokens = step.ends.sum().item<int64_t>();
+      torch::Tensor starts = torch::zeros({rows}, torch::kInt32);
+      double worked = 0, between = 0, step_gap = std::numeric_limits<double>::quiet_NaN();
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        if (layer > 0 && !await(layer, number)) return;
+        const auto t0 = Clock::now();
+        if (last_end) (layer == 0 ? step_gap : between) += seconds(*last_end, t0);
+        try {
+          decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
+                 page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
+                 lse_.narrow(0, 0, rows));
+        } catch (const std::exception& e) {  // the GPU must not wait forever: zeros, then said
+          o_.narrow(0, 0, rows).zero_();
+          lse_.narrow(0, 0, rows).fill_(-std::numeric_limits<float>::infinity());
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (error_.empty()) error_ = e.what();
+        }
+        last_end = Clock::now();
+        worked += seconds(t0, *last_end);
+        done_flags_[layer].store(number, std::memory_order_release);
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (tokens > 0)
+        stats_.emplace_back(between / std::max<int64_t>(1, layers - 1), worked / layers,
+                            tokens, step_gap);
+    }
+  }
+
+  torch::Tensor q_, o_, lse_, host_kv_;
+  std::vector<torch::Tensor> flag_owners_;
+  volatile int32_t* q_flags_;
+  std::atomic<int32_t>* done_flags_;
+  int64_t kind_, page_size_, kv_heads_, scales_offset_;
+  double sm_scale_;
+  int64_t threads_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::map<int32_t, Step> steps_;
+  std::vector<std::tuple<double, double, int64_t, double>> stats_;
+  std::string error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<ShareWorker>(m, "ShareWorker")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
+                          double, int64_t>())
+      .def("submit", &ShareWorker::submit)
+      .def("drain", &ShareWorker::drain)
+      .def("error", &ShareWorker::error)
+      .def("close", &ShareWorker::close, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
