@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+DECAY = 0.95  # the overhead's estimate per step paced by the link
+
 
 @dataclass(frozen=True)
 class CpuSplit:
@@ -61,27 +63,30 @@ class CpuSplit:
         so where the cycle is longer than the link needs for its share, the CPU set the pace
         and the whole gap is overhead, averaged in (a single reading capped at 4x the
         estimate: a hiccup). Where the link set the pace, the gap is waiting for it and tells
-        nothing of the overhead: the estimate decays (more goes to the CPU, until it sets the
-        pace and is measured again), and the link's rate is the one just seen. The link's rate
-        only ever comes from what it did, so it never exceeds the real one."""
+        nothing of the overhead: the estimate decays slowly (more goes to the CPU, until it
+        sets the pace and is measured again), and the link's rate is the one just seen. The
+        link's rate only ever comes from what it did, so it never exceeds the real one."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
         link_rate = self.link_rate
         if link_bytes and cycle <= 1.05 * link_bytes / self.link_rate:  # the link's pace
-            seen, link_rate = 0.0, link_bytes / cycle
+            seen, link_rate = None, link_bytes / cycle
         else:
             seen = gap
             if link_bytes:
                 link_rate = max(link_rate, link_bytes / cycle)
+        if seen is None:  # a slow decay: the CPU's share grows until it sets the pace
+            overhead = DECAY * self.overhead
+        elif not self.calibrated_steps:
+            overhead = seen
+        else:
+            overhead = 0.7 * self.overhead + 0.3 * min(seen, 4 * self.overhead or seen)
         if not self.calibrated_steps:
-            return replace(self, cpu_rate=rate, overhead=seen, link_rate=link_rate,
+            return replace(self, cpu_rate=rate, overhead=overhead, link_rate=link_rate,
                            calibrated_steps=1)
-        if self.overhead > 0:
-            seen = min(seen, 4 * self.overhead)
         return replace(self, cpu_rate=0.5 * (self.cpu_rate + rate),
-                       link_rate=0.5 * (self.link_rate + link_rate),
-                       overhead=0.7 * self.overhead + 0.3 * seen,
+                       link_rate=0.5 * (self.link_rate + link_rate), overhead=overhead,
                        calibrated_steps=self.calibrated_steps + 1)
 
     @staticmethod

@@ -613,11 +613,12 @@ class ShareWorker {
       const int64_t rows = step.ends.numel();
       const int64_t tokens = step.ends.sum().item<int64_t>();
       torch::Tensor starts = torch::zeros({rows}, torch::kInt32);
-      double worked = 0, between = 0, step_gap = std::numeric_limits<double>::quiet_NaN();
+      double worked = 0, between = 0, step_gap = 0;
       for (int64_t layer = 0; layer < layers; ++layer) {
         if (layer > 0 && !await(layer, number)) return;
         const auto t0 = Clock::now();
         if (last_end) (layer == 0 ? step_gap : between) += seconds(*last_end, t0);
+        else if (layer == 0) step_gap = std::numeric_limits<double>::quiet_NaN();
         try {
           decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
                  page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
@@ -658,7 +659,8 @@ class ShareWorker {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<ShareWorker>(m, "ShareWorker")
+  // module_local: the build without AVX-512 (tests) loads beside this one in one process
+  pybind11::class_<ShareWorker>(m, "ShareWorker", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
                           double, int64_t>())
