@@ -20,11 +20,14 @@ CPU floor(f * its full host pages).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 # a layer's cycle against the time the link needs for its share: above, the CPU set the
 # pace; below, the link did, faster than thought; between, the host cannot tell
 PACED_BY_CPU, PACED_BY_LINK = 1.05, 0.9
+GAPS_KEPT = 9  # the overhead is the median of the last gaps of layers the CPU paced
+DECAY = 0.9  # the overhead's estimate, per step the link clearly paced
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class CpuSplit:
     link_rate: float = 0.0  # bytes/s the link moves, with the CPU attending
     overhead: float = 0.0  # seconds per layer the CPU's share waits besides its work
     calibrated_steps: int = 0  # decode steps whose figures refined the rates (calibrated)
+    cpu_paced_gaps: tuple[float, ...] = ()  # the last gaps of layers the CPU paced
     why_fixed: str = "fixed"  # said beside a fixed fraction
 
     def __post_init__(self) -> None:
@@ -63,25 +67,24 @@ class CpuSplit:
         The CPU's rate is the one just seen (averaged with the last). A layer's cycle, work
         plus gap, is paced by the CPU or by the link, which runs layers ahead of the CPU.
         Where the cycle is clearly longer than the link needs for its share (PACED_BY_CPU),
-        the CPU set the pace and the whole gap is overhead, averaged in (a single reading
-        capped at 4x the estimate: a hiccup). Where it is clearly shorter (PACED_BY_LINK),
-        the link is faster than thought: its rate is the one seen. Near the balance the
-        host cannot tell the two apart, and nothing else is learned: an estimate that moved
-        there from a step it could not read drifted the fraction away from the best on the
-        GPU machines (32K, FP8: 0.37 against 0.30)."""
+        the CPU set the pace and the gap is all overhead: the estimate is the median of the
+        last such gaps (a step's hiccup moves it little). Where it is clearly shorter
+        (PACED_BY_LINK), the gap was mostly waiting for the link: the estimate decays, so
+        that more goes to the CPU until it sets the pace again. Near the balance the host
+        cannot tell the two apart and the estimate stays: one that moved there drifted the
+        fraction from the best on the GPU machines (32K, FP8: 0.37 against 0.30)."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
         link_time = link_bytes / self.link_rate if link_bytes else 0.0
-        overhead, link_rate = self.overhead, self.link_rate
+        overhead, gaps = self.overhead, self.cpu_paced_gaps
         if not link_bytes or cycle > PACED_BY_CPU * link_time:
-            seen = gap if not self.calibrated_steps or self.overhead <= 0 else \
-                min(gap, 4 * self.overhead)
-            overhead = seen if not self.calibrated_steps else 0.7 * overhead + 0.3 * seen
+            gaps = (*gaps, gap)[-GAPS_KEPT:]
+            overhead = statistics.median(gaps)
         elif cycle < PACED_BY_LINK * link_time:
-            link_rate = link_bytes / cycle
+            overhead *= DECAY
         return replace(self, cpu_rate=rate if not self.calibrated_steps else
-                       0.5 * (self.cpu_rate + rate), link_rate=link_rate, overhead=overhead,
+                       0.5 * (self.cpu_rate + rate), overhead=overhead, cpu_paced_gaps=gaps,
                        calibrated_steps=self.calibrated_steps + 1)
 
     @staticmethod
