@@ -130,7 +130,11 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
     share.o.zero_()
     share.lse.fill_(-torch.inf)
     share.cleared = True
-    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
+    # the link's rate alone: the probe's CPU, all threads on its pages, slows it more than the
+    # CPU's share of a step does (32K FP8: 41.6 against 51.6 GB/s picked 0.35 for 0.30), and
+    # a rate too high corrects itself (the link paces, the overhead decays: CpuSplit.calibrated)
+    # where one too low does not
+    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_alone, overhead=overhead)
     share.probe = {"pages": pages, "threads": threads,
                    "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},
                    "cpu_alone_GBps": cpu_alone / 1e9, "cpu_both_GBps": cpu_both / 1e9,
