@@ -101,6 +101,10 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
         cpu()
         by_threads[n] = nbytes / _median_time(cpu, 5)
     threads = max(by_threads, key=by_threads.get)
+    if os.environ.get("NANOSERVE_CPU_ATTENTION_THREADS"):  # the user's choice over the probe's
+        threads = int(os.environ["NANOSERVE_CPU_ATTENTION_THREADS"])
+        torch.set_num_threads(threads)
+        by_threads[threads] = nbytes / _median_time(cpu, 5)
     torch.set_num_threads(threads)
     cpu_alone = by_threads[threads]
     start, end = link_async(5)
