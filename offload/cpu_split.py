@@ -20,14 +20,13 @@ CPU floor(f * its full host pages).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, replace
 
 # a layer's cycle against the time the link needs for its share: above, the CPU set the
 # pace; below, the link did, faster than thought; between, the host cannot tell
 PACED_BY_CPU, PACED_BY_LINK = 1.05, 0.9
-GAPS_KEPT = 9  # the overhead is the median of the last gaps of layers the CPU paced
-DECAY = 0.9  # the overhead's estimate, per step the link clearly paced
+GAPS_KEPT = 9  # the overhead is the least of the last gaps of layers the CPU paced
+DECAY, DRIFT = 0.9, 0.98  # the overhead's estimate per step the link paced, clearly or not
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,13 @@ class CpuSplit:
         The CPU's rate is the one just seen (averaged with the last). A layer's cycle, work
         plus gap, is paced by the CPU or by the link, which runs layers ahead of the CPU.
         Where the cycle is clearly longer than the link needs for its share (PACED_BY_CPU),
-        the CPU set the pace and the gap is all overhead: the estimate is the median of the
-        last such gaps (a step's hiccup moves it little). Where it is clearly shorter
-        (PACED_BY_LINK), the gap was mostly waiting for the link: the estimate decays, so
-        that more goes to the CPU until it sets the pace again. Near the balance the host
-        cannot tell the two apart and the estimate stays: one that moved there drifted the
-        fraction from the best on the GPU machines (32K, FP8: 0.37 against 0.30)."""
+        the CPU set the pace and the gap is all overhead: the estimate is the least of the
+        last such gaps (hiccups only lengthen a gap). Otherwise the gap may be waiting for the
+        link: the estimate decays, fast where the cycle is clearly shorter than the link's
+        time (PACED_BY_LINK), slowly near the balance, where the host cannot tell the two
+        apart; so more goes to the CPU until it sets the pace and is measured again. (An
+        estimate that fell to nothing near the balance drifted FP8 at 32K to 0.37 where 0.30
+        was best; one that stayed there, inflated, held bf16 at 0.34 where 0.45 was.)"""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
@@ -80,9 +80,9 @@ class CpuSplit:
         overhead, gaps = self.overhead, self.cpu_paced_gaps
         if not link_bytes or cycle > PACED_BY_CPU * link_time:
             gaps = (*gaps, gap)[-GAPS_KEPT:]
-            overhead = statistics.median(gaps)
-        elif cycle < PACED_BY_LINK * link_time:
-            overhead *= DECAY
+            overhead = min(gaps)
+        else:
+            overhead *= DECAY if cycle < PACED_BY_LINK * link_time else DRIFT
         return replace(self, cpu_rate=rate if not self.calibrated_steps else
                        0.5 * (self.cpu_rate + rate), overhead=overhead, cpu_paced_gaps=gaps,
                        calibrated_steps=self.calibrated_steps + 1)
