@@ -119,6 +119,7 @@ class CpuShare:
         return True
 
     def close(self) -> None:
+        """Stops the host's thread (idempotent); no step with a CPU share runs after it."""
         if self.worker is not None:
             self.worker.close()
 

@@ -105,7 +105,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any, and leaves the group with them (every
-        rank at once: see parallel_state.destroy_tp). Idempotent; no step runs after it."""
+        rank at once: see parallel_state.destroy_tp), and the CPU attention thread, once the
+        device has run what was launched (it may wait on that thread). Idempotent; no step
+        runs after it."""
+        share = getattr(getattr(self, "runner", None), "cpu_share", None)
+        if share is not None and share.worker is not None:
+            if share.device.type == "cuda":
+                torch.cuda.synchronize(share.device)
+            share.close()
         workers, self.workers = self.workers, None
         if workers is None:
             return
