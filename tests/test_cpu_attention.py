@@ -195,7 +195,8 @@ def test_the_share_worker_serves_each_flagged_layer_in_order():
     """The host's thread (csrc/cpu_decode.cpp ShareWorker), with this test as the GPU: it
     serves the submitted step whose number reaches layer 0's q flag (a step submitted but
     never run is dropped), runs a layer only once its q flag says so, writes the kernel's
-    output, then the done flag; each served step's figures come back once."""
+    output, then the done flag; each served step's figures come back once; a failing kernel
+    still releases the GPU; a step left mid-way does not hold the worker."""
     if _extension() is None:
         pytest.skip("no C++ compiler here")
     spec = KVSpec(1, PAGE, KV_HEADS, D, torch.bfloat16)
@@ -231,5 +232,15 @@ def test_the_share_worker_serves_each_flagged_layer_in_order():
             _await(done[layer], 6)
         assert o.eq(0).all() and lse.eq(-math.inf).all()
         assert "past its page table" in worker.error()
+        # a step left after its first layer (the engine raised mid-step): the next step's
+        # first flag releases the worker, which serves that step whole
+        worker.submit(7, ends, table)
+        q_flags[0] = 7
+        _await(done[0], 7)
+        worker.submit(8, ends, table)
+        for layer in range(3):
+            q_flags[layer] = 8
+            _await(done[layer], 8)
+        assert torch.equal(lse[1], torch.full((Q_HEADS,), -math.inf))
     finally:
         worker.close()

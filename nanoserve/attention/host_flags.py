@@ -18,6 +18,8 @@ def _wait_for_host(flag_ptr, want_ptr, error_ptr, max_polls):
     want = tl.load(want_ptr)
     seen = tl.load(flag_ptr, volatile=True)
     polls = 0
+    if tl.load(error_ptr, volatile=True) != 0:  # an earlier wait gave up: do not wait again
+        polls = max_polls
     while (seen != want) & (polls < max_polls):
         seen = tl.load(flag_ptr, volatile=True)
         polls += 1

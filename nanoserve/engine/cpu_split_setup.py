@@ -134,11 +134,11 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
     share.o.zero_()
     share.lse.fill_(-torch.inf)
     share.cleared = True
-    # the link's rate alone: the probe's CPU, all threads on its pages, slows it more than the
-    # CPU's share of a step does (32K FP8: 41.6 against 51.6 GB/s picked 0.35 for 0.30), and
-    # a rate too high corrects itself (the link paces, the overhead decays: CpuSplit.calibrated)
-    # where one too low does not
-    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_alone, overhead=overhead)
+    # the link's rate beside the CPU: lower than in a step (the probe's CPU reads with every
+    # thread), which puts a little more on the CPU than is best; a rate too high is worse:
+    # layers the link slowed count as CPU-paced, their waits as overhead, and the fraction can
+    # fall to nothing, where nothing is measured any more (CpuSplit.calibrated)
+    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
     share.probe = {"pages": pages, "threads": threads,
                    "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},
                    "cpu_alone_GBps": cpu_alone / 1e9, "cpu_both_GBps": cpu_both / 1e9,

@@ -130,7 +130,7 @@ class DecodeGraphRunner:
             segments = executor.segments(state)
             plan = self._static_plan(bs)
             with forward_context(ctx):
-                executor.run(segments, plan)  # warm-up: autotuning, lazy init, outside capture
+                executor.run(segments, plan, bs)  # warm-up: autotuning, lazy init, not captured
                 replays = []
                 for segment in segments:
                     if streamer is not None:
@@ -169,5 +169,5 @@ class DecodeGraphRunner:
             self.tail_rows[:n].copy_(plan.tail_rows)
             self.tail_pages[n:bs].fill_(DUMMY_PAGE)
             self.tail_rows[n:bs].fill_(self.executor.streamer.dummy_row)
-        self.executor.run(graphs, plan)
+        self.executor.run(graphs, plan, bs)
         return self.logits[:bs]

@@ -324,6 +324,7 @@ class ModelRunner:
             (inputs.score_rows, inputs.score_ids, inputs.score_k)
         state = StepState(inputs.input_ids, inputs.positions, inputs.sample_rows, score=score)
         with forward_context(ctx):
-            self.executor.run(self.executor.segments(state), inputs.offload)
+            self.executor.run(self.executor.segments(state), inputs.offload,
+                              inputs.num_seqs if ctx.cpu_share is not None else None)
         inputs.prompt_scores = state.scores
         return state.logits

@@ -99,16 +99,19 @@ class StepExecutor:
         return [head] + [streamed(j) for j in range(self.streamer.num_streamed)] + \
             [logits_of_hidden]
 
-    def run(self, segments: list[Segment], plan: StepPlan | None) -> None:
+    def run(self, segments: list[Segment], plan: StepPlan | None,
+            share_rows: int | None = None) -> None:
         """Runs (or replays) a step's segments in order, with the streamer's ordering around
-        each streamed layer."""
+        each streamed layer. share_rows: the rows a decode step's layers attend with the CPU's
+        share (a graph's padded batch); None: its layers do not use the share."""
         if self.streamer is None:
             segments[0]()
             return
         s = self.streamer
-        if self.cpu_share is not None and plan.tail_pages is not None:  # decode
+        if self.cpu_share is not None and share_rows is not None and \
+                plan.tail_pages is not None:  # decode
             self.cpu_share.begin_step(plan.cpu_tokens, plan.cpu_table, plan.gpu_starts,
-                                      plan.tail_pages.shape[0])
+                                      share_rows)
         s.begin_step(plan)
         segments[0]()
         for j, segment in enumerate(segments[1:-1]):

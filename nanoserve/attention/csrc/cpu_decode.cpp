@@ -463,7 +463,8 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   std::vector<int64_t> first_job(batch + 1);
   for (int64_t b = 0; b < batch; ++b) {
     first_job[b] = static_cast<int64_t>(jobs.size());
-    for (int64_t t = lo[b]; t < hi[b]; t += chunk) jobs.push_back({b, t, std::min<int64_t>(t + chunk, hi[b])});
+    for (int64_t t = lo[b]; t < hi[b]; t += chunk)
+      jobs.push_back({b, t, std::min<int64_t>(t + chunk, hi[b])});
   }
   first_job[batch] = static_cast<int64_t>(jobs.size());
 
@@ -530,8 +531,8 @@ class ShareWorker {
     TORCH_CHECK(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
                 q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0),
                 "flags: int32, one per streamed layer");
-    q_flags_ = reinterpret_cast<volatile int32_t*>(q_flags.data_ptr<int32_t>());
-    done_flags_ = reinterpret_cast<std::atomic<int32_t>*>(done_flags.data_ptr<int32_t>());
+    q_flags_ = q_flags.data_ptr<int32_t>();  // written by the GPU's copies: atomic loads
+    done_flags_ = done_flags.data_ptr<int32_t>();
     flag_owners_ = {q_flags, done_flags};
     thread_ = std::thread([this] { loop(); });
   }
@@ -577,12 +578,21 @@ class ShareWorker {
     return std::chrono::duration<double>(b - a).count();
   }
 
-  // spins until flag == want (yielding after a while); false when stopped
-  bool await(int64_t layer, int32_t want) {
+  int32_t q_flag(int64_t layer) const {
+    return __atomic_load_n(q_flags_ + layer, __ATOMIC_ACQUIRE);
+  }
+
+  enum class Wait { READY, ABANDONED, STOPPED };
+
+  // Spins until layer's q flag holds step `want` (yielding after a while). ABANDONED: layer
+  // 0's flag moved on to a later step, so the GPU will never send this one's (the engine's
+  // thread raised mid-step, or the GPU gave up on it).
+  Wait await(int64_t layer, int32_t want) {
     const auto start = Clock::now();
-    for (int64_t i = 0; q_flags_[layer] != want; ++i) {
+    for (int64_t i = 0; q_flag(layer) != want; ++i) {
       if ((i & 1023) == 0) {
-        if (stopped()) return false;
+        if (stopped()) return Wait::STOPPED;
+        if (q_flag(0) != want) return Wait::ABANDONED;
         if (seconds(start, Clock::now()) > 1e-3)
           std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
@@ -590,7 +600,7 @@ class ShareWorker {
       _mm_pause();
 #endif
     }
-    return true;
+    return Wait::READY;
   }
 
   bool stopped() {
@@ -606,7 +616,7 @@ class ShareWorker {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [this] { return stop_ || !steps_.empty(); });
         if (stop_) return false;
-        const int32_t seen = q_flags_[0];
+        const int32_t seen = q_flag(0);
         auto it = steps_.find(seen);
         if (it != steps_.end()) {
           number = seen;
@@ -626,7 +636,10 @@ class ShareWorker {
 
   void loop() {
 #ifdef _OPENMP
-    if (threads_ > 0) omp_set_num_threads(static_cast<int>(threads_));  // this thread's teams
+    // ATen sets a thread's OpenMP count from torch's on its first parallel call: that first,
+    // then this thread's own
+    at::get_num_threads();
+    if (threads_ > 0) omp_set_num_threads(static_cast<int>(threads_));
 #endif
     const int64_t layers = host_kv_.size(0);
     std::optional<Clock::time_point> last_end;
@@ -637,8 +650,13 @@ class ShareWorker {
       const int64_t tokens = step.ends.sum().item<int64_t>();
       torch::Tensor starts = torch::zeros({rows}, torch::kInt32);
       double worked = 0, between = 0, step_gap = 0;
-      for (int64_t layer = 0; layer < layers; ++layer) {
-        if (layer > 0 && !await(layer, number)) return;
+      int64_t layer = 0;
+      for (; layer < layers; ++layer) {
+        if (layer > 0) {
+          const Wait w = await(layer, number);
+          if (w == Wait::STOPPED) return;
+          if (w == Wait::ABANDONED) break;
+        }
         const auto t0 = Clock::now();
         if (last_end) (layer == 0 ? step_gap : between) += seconds(*last_end, t0);
         else if (layer == 0) step_gap = std::numeric_limits<double>::quiet_NaN();
@@ -654,10 +672,10 @@ class ShareWorker {
         }
         last_end = Clock::now();
         worked += seconds(t0, *last_end);
-        done_flags_[layer].store(number, std::memory_order_release);
+        __atomic_store_n(done_flags_ + layer, number, __ATOMIC_RELEASE);
       }
       std::lock_guard<std::mutex> lock(mutex_);
-      if (tokens > 0)
+      if (tokens > 0 && layer == layers)
         stats_.emplace_back(between / std::max<int64_t>(1, layers - 1), worked / layers,
                             tokens, step_gap);
     }
@@ -665,8 +683,8 @@ class ShareWorker {
 
   torch::Tensor q_, o_, lse_, host_kv_;
   std::vector<torch::Tensor> flag_owners_;
-  volatile int32_t* q_flags_;
-  std::atomic<int32_t>* done_flags_;
+  int32_t* q_flags_;
+  int32_t* done_flags_;
   int64_t kind_, page_size_, kv_heads_, scales_offset_;
   double sm_scale_;
   int64_t threads_;
