@@ -123,9 +123,12 @@ def test_a_dead_worker_is_a_clear_error_and_the_server_reports_unhealthy():
 
 
 SCRIPT = """
-import sys, time
+import signal, sys, time
 from nanoserve import LLM
 if __name__ == "__main__":
+    # Ctrl-C as a terminal delivers it, even where the suite runs with SIGINT ignored (a
+    # background job of a non-interactive shell passes that on to every process it starts)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(device="cpu", dtype="float32", page_size=16, progress=False,
               tensor_parallel_size=2)
     print(" ".join(str(p.pid) for p in llm.engine.workers.procs), flush=True)
