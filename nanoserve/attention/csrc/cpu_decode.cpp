@@ -270,26 +270,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
 }
 
-// Asks for the K and V (and FP8's scales) of the block at token t, if before hi, to be
-// brought into L2 while this block is attended: the host's memory answers slowly while the
-// link's copies read it too, and a block's rows are 1-2 KB apart per kv head, which the
-// hardware's prefetchers do not follow across 4 KB pages.
-inline void prefetch_block(const Geometry& g, const int32_t* table, int64_t t, int64_t hi) {
-  if (t >= hi) return;
-  const int64_t page = table[t / g.page_size], r0 = t % g.page_size;
-  const int64_t n = std::min<int64_t>({BLOCK, g.page_size - r0, hi - t});
-  const int64_t token_bytes = g.kv_heads * g.d * g.elem;
-  for (const uint8_t* base : {g.k_base, g.v_base}) {
-    const uint8_t* row = base + page * g.row_bytes;
-    const char* p = reinterpret_cast<const char*>(row + r0 * token_bytes);
-    for (int64_t b = 0; b < n * token_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    if (g.kind == FP8) {
-      const char* sc = reinterpret_cast<const char*>(row + g.scales_offset + r0 * g.kv_heads * 4);
-      for (int64_t b = 0; b < n * g.kv_heads * 4; b += 64) _mm_prefetch(sc + b, _MM_HINT_T1);
-    }
-  }
-}
-
 // The vectorized job for head_dim D and group size up to 8 (the q heads of one kv head keep
 // their partial dots in registers); FIXED_G > 0: the group size, known at compile time.
 template <int KIND, int D, int FIXED_G>
@@ -305,7 +285,6 @@ void run_job_avx512(const Geometry& g, const float* q, const int32_t* table, int
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     const uint8_t* k_row = g.k_base + page * g.row_bytes;
     const uint8_t* v_row = g.v_base + page * g.row_bytes;
-    prefetch_block(g, table, t0 + n, hi);
     for (int64_t h = 0; h < g.kv_heads; ++h) {
       const float* qh = q + h * G * D;
       if constexpr (FIXED_G > 0) {
