@@ -3,22 +3,15 @@ token range of each sequence: the CPU's share of a streamed layer, whose partial
 with the GPU's by log-sum-exp (attention/prefill.merge_partials), exactly.
 
 Two kernels, registered by name: `cpp` (csrc/cpu_decode.cpp, built at first use through torch's
-cpp_extension: one pass over the KV, bf16 / fp16 / fp32 / FP8 e4m3 with its scales, runs of
-tokens spread over the threads; bf16 and FP8 KV on AMX tiles where the CPU has them,
-csrc/amx_job.h) and `torch` (the reference: gather, dequantize, float32 matmuls), which `auto`
-falls back to where no compiler builds the first, saying so.
-
-NANOSERVE_CPU_ATTENTION_ISA picks the C++ kernel's job: `auto` (AMX where the CPU and the OS
-allow it, else AVX-512 or portable loops), `vector` (never AMX), `emulated-amx` (AMX's layouts on
-tiles emulated in C++: tests on machines without AMX).
+cpp_extension: one pass over the KV, converted in registers, bf16 / fp16 / fp32 / FP8 e4m3 with
+its scales, a thread per (sequence, kv head)) and `torch` (the reference: gather, dequantize,
+float32 matmuls), which `auto` falls back to where no compiler builds the first, saying so.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -32,8 +25,6 @@ log = logging.getLogger("nanoserve")
 
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, FP8: 3}
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
-HEADERS = [Path(__file__).parent / "csrc" / "amx_job.h"]
-ISAS = {"auto": 0, "vector": 1, "emulated-amx": 2}
 
 # q [B, Hq, D] f32, one layer's rows [2, pages, row], page table int32 [B, W], starts and ends
 # int32 [B], the layout, the softmax scale -> (o [B, Hq, D] f32, lse [B, Hq] f32)
@@ -80,16 +71,9 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             s.logsumexp(-1).reshape(hq))
 
 
-def isa_code(isa: str | None = None) -> int:
-    """The C++ kernel's job choice: isa, else NANOSERVE_CPU_ATTENTION_ISA, else `auto`."""
-    isa = isa or os.environ.get("NANOSERVE_CPU_ATTENTION_ISA", "auto")
-    if isa not in ISAS:
-        raise ValueError(f"unknown CPU attention ISA {isa!r}; choose from {', '.join(ISAS)}")
-    return ISAS[isa]
-
-
 def _cpu_features() -> str:
     """A short hash of this CPU's model and feature flags (Linux), or of the machine type."""
+    import hashlib
     import platform
 
     try:
@@ -109,10 +93,7 @@ def _extension(without_avx512: bool = False):
 
         # built for this CPU (-march=native): the name carries its features, so a build cache
         # shared by hosts with different CPUs keeps one build per CPU
-        # (and the headers' text: torch's build cache tracks the source file's alone)
-        headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:8]
-        name = (f"nanoserve_cpu_decode_{_cpu_features()}_{headers}" +
-                ("_noavx512" if without_avx512 else ""))
+        name = f"nanoserve_cpu_decode_{_cpu_features()}" + ("_noavx512" if without_avx512 else "")
         return load(name, [str(SOURCE)], verbose=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                   "-fno-signed-zeros", "-fno-trapping-math"] +
@@ -126,10 +107,9 @@ def _extension(without_avx512: bool = False):
 
 def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
                page_table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-               scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out: (o, lse) to write into (pinned buffers on the offloaded path); isa: see the
-    module's docstring."""
+               scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out: (o, lse) to write into (pinned buffers on the offloaded path)."""
     ext = _extension()
     if ext is None:
         raise RuntimeError("the C++ CPU attention kernel is not available on this machine")
@@ -137,14 +117,8 @@ def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
     o, lse = out if out is not None else (torch.empty_like(q), q.new_empty(q.shape[:2]))
     ext.decode(q, layer_kv.contiguous(), page_table.contiguous(), starts, ends,
                KINDS[layout.dtype], layout.page_size, layout.num_kv_heads, layout.scales_start,
-               scale, o, lse, isa_code(isa))
+               scale, o, lse)
     return o, lse
-
-
-def matrix_unit() -> bool:
-    """Whether the C++ kernel runs bf16 and FP8 KV on AMX tiles on this machine."""
-    ext = _extension()
-    return ext is not None and ext.matrix_unit() and isa_code() == ISAS["auto"]
 
 
 def share_worker(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, host_kv: torch.Tensor,
@@ -158,7 +132,7 @@ def share_worker(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, host_kv: t
         return None
     return ext.ShareWorker(q, o, lse, host_kv, q_flags, done_flags, KINDS[layout.dtype],
                            layout.page_size, layout.num_kv_heads, layout.scales_start, scale,
-                           threads, isa_code())
+                           threads)
 
 
 KERNELS: dict[str, Kernel] = {"cpp": decode_cpp, "torch": decode_torch}

@@ -73,8 +73,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8,
                     help="distinct layers read in turn (8: beyond the last-level cache)")
     ap.add_argument("--no-link", action="store_true", help="no copies beside the kernel")
-    ap.add_argument("--isa", default="vector,auto",
-                    help="the C++ kernel's jobs to compare (NANOSERVE_CPU_ATTENTION_ISA)")
     args = ap.parse_args()
     logical = os.cpu_count() or 1
     threads = ([int(t) for t in args.threads.split(",")] if args.threads
@@ -87,13 +85,13 @@ def main() -> None:
     for dtype in (torch.bfloat16, FP8):
         layers = [layer(dtype, args.tokens) for _ in range(args.layers)]
         nbytes = layers[0][1].numel() * layers[0][1].element_size()
-        for isa, n in ((isa, n) for isa in args.isa.split(",") for n in threads):
+        for n in threads:
             torch.set_num_threads(n)
             turn = iter(range(1 << 30))
 
-            def call(turn=turn, layers=layers, isa=isa) -> None:
+            def call(turn=turn, layers=layers) -> None:
                 spec, rows = layers[next(turn) % len(layers)]
-                decode_cpp(q, rows, spec.layout, table, st, en, 0.088, out=(o, lse), isa=isa)
+                decode_cpp(q, rows, spec.layout, table, st, en, 0.088, out=(o, lse))
 
             row = []
             for busy in ((False, True) if cuda else (False,)):
@@ -106,8 +104,7 @@ def main() -> None:
                         t, extra = timed_calls(call, gap, args.calls), ""
                     row.append(f"{'link' if busy else 'alone'} gap {gap * 1e6:.0f}us: "
                                f"{t * 1e6:.0f} us {nbytes / t / 1e9:.1f} GB/s{extra}")
-            print(f"{str(dtype):>20} {isa:>6} {nbytes / 1e6:.1f} MB threads {n:>2} | " +
-                  " | ".join(row),
+            print(f"{str(dtype):>20} {nbytes / 1e6:.1f} MB threads {n:>2} | " + " | ".join(row),
                   flush=True)
 
 

@@ -25,11 +25,6 @@
 #define NS_AVX512 1
 #endif
 
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -44,16 +39,11 @@
 #include <string>
 #include <thread>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
 enum Kind { BF16 = 0, F16 = 1, F32 = 2, FP8 = 3 };
-// which job runs: BEST the matrix unit's where the CPU and OS allow (bf16 and FP8 KV), else
-// the vector job; VECTOR never the matrix unit; EMULATED_MATRIX the matrix job's layouts on
-// tiles emulated in C++ (tests, on machines without AMX)
-enum Isa { BEST = 0, VECTOR = 1, EMULATED_MATRIX = 2 };
 constexpr int BLOCK = 16;  // tokens per block: one vector of scores
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -388,36 +378,13 @@ JobFn pick_avx512(int kind, int64_t d, int64_t group) {
     default: return pick_g<FP8>(d, group);
   }
 }
-
-#include "amx_job.h"
-
-template <class T>
-JobFn pick_matrix_d(int kind, int64_t d) {
-  const bool bf16 = kind == BF16;
-  switch (d) {
-    case 64: return bf16 ? amx::run_job<BF16, 64, T> : amx::run_job<FP8, 64, T>;
-    case 128: return bf16 ? amx::run_job<BF16, 128, T> : amx::run_job<FP8, 128, T>;
-    case 256: return bf16 ? amx::run_job<BF16, 256, T> : amx::run_job<FP8, 256, T>;
-    default: return nullptr;
-  }
-}
-
-JobFn pick_matrix(int kind, int64_t d, int64_t group, int64_t isa) {
-  if (isa == VECTOR || (kind != BF16 && kind != FP8) || group > amx::MAX_GROUP) return nullptr;
-  if (isa == EMULATED_MATRIX) return pick_matrix_d<amx::AmxEmulated>(kind, d);
-#ifdef NS_AMX
-  if (amx::available()) return pick_matrix_d<amx::Amx>(kind, d);
-#endif
-  return nullptr;
-}
 #endif
 
 }  // namespace
 
 void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::Tensor starts,
             torch::Tensor ends, int64_t kind, int64_t page_size, int64_t num_kv_heads,
-            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse,
-            int64_t isa) {
+            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
               "q: contiguous float32 [batch, q_heads, head_dim]");
   TORCH_CHECK(kv.is_contiguous() && kv.dim() == 3, "kv: contiguous [2, pages, row]");
@@ -468,22 +435,8 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   }
   const int64_t threads = at::get_num_threads();
   const int64_t want = 2 * threads;
-  JobFn fn = kind == BF16 ? run_job_generic<BF16> : kind == F16 ? run_job_generic<F16>
-              : kind == F32 ? run_job_generic<F32> : run_job_generic<FP8>;
-  int64_t max_chunk = std::numeric_limits<int64_t>::max();
-#ifdef NS_AVX512
-  if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
-  if (JobFn f = pick_matrix(g.kind, d, g.group, isa)) {
-    fn = f;
-    max_chunk = amx::MATRIX_JOB_TOKENS;
-  } else {
-    TORCH_CHECK(isa != EMULATED_MATRIX, "no matrix job for this KV dtype, head_dim and group");
-  }
-#else
-  TORCH_CHECK(isa != EMULATED_MATRIX, "the matrix job needs the AVX-512 build");
-#endif
   int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
-  chunk = std::min((chunk + BLOCK - 1) / BLOCK * BLOCK, max_chunk);
+  chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
   struct Job { int64_t b, lo, hi; };
   std::vector<Job> jobs;
   std::vector<int64_t> first_job(batch + 1);
@@ -494,6 +447,11 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   }
   first_job[batch] = static_cast<int64_t>(jobs.size());
 
+  JobFn fn = kind == BF16 ? run_job_generic<BF16> : kind == F16 ? run_job_generic<F16>
+              : kind == F32 ? run_job_generic<F32> : run_job_generic<FP8>;
+#ifdef NS_AVX512
+  if (JobFn f = pick_avx512(g.kind, d, g.group)) fn = f;
+#endif
   // Threads take jobs from a shared counter rather than fixed ranges: on a busy host (a
   // virtual machine's cores, the CUDA driver's threads) one descheduled thread then delays
   // one job, not its whole range. Each job's partial is allocated by the thread that runs it.
@@ -545,11 +503,10 @@ class ShareWorker {
  public:
   ShareWorker(torch::Tensor q, torch::Tensor o, torch::Tensor lse, torch::Tensor host_kv,
               torch::Tensor q_flags, torch::Tensor done_flags, int64_t kind, int64_t page_size,
-              int64_t num_kv_heads, int64_t scales_offset, double sm_scale, int64_t threads,
-              int64_t isa)
+              int64_t num_kv_heads, int64_t scales_offset, double sm_scale, int64_t threads)
       : q_(q), o_(o), lse_(lse), host_kv_(host_kv), kind_(kind), page_size_(page_size),
         kv_heads_(num_kv_heads), scales_offset_(scales_offset), sm_scale_(sm_scale),
-        threads_(threads), isa_(isa) {
+        threads_(threads) {
     TORCH_CHECK(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
                 q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0),
                 "flags: int32, one per streamed layer");
@@ -685,7 +642,7 @@ class ShareWorker {
         try {
           decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
                  page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
-                 lse_.narrow(0, 0, rows), isa_);
+                 lse_.narrow(0, 0, rows));
         } catch (const std::exception& e) {  // the GPU must not wait forever: zeros, then said
           o_.narrow(0, 0, rows).zero_();
           lse_.narrow(0, 0, rows).fill_(-std::numeric_limits<float>::infinity());
@@ -709,7 +666,7 @@ class ShareWorker {
   int32_t* done_flags_;
   int64_t kind_, page_size_, kv_heads_, scales_offset_;
   double sm_scale_;
-  int64_t threads_, isa_;
+  int64_t threads_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::map<int32_t, Step> steps_;
@@ -722,18 +679,11 @@ class ShareWorker {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("matrix_unit", [] {
-#ifdef NS_AMX
-    return amx::available();
-#else
-    return false;
-#endif
-  }, "whether the matrix job runs on this machine (AMX-BF16, allowed by the OS)");
   // module_local: the build without AVX-512 (tests) loads beside this one in one process
   pybind11::class_<ShareWorker>(m, "ShareWorker", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
-                          double, int64_t, int64_t>())
+                          double, int64_t>())
       .def("submit", &ShareWorker::submit)
       .def("drain", &ShareWorker::drain)
       .def("error", &ShareWorker::error)
