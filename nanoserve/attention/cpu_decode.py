@@ -115,9 +115,11 @@ def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
         raise RuntimeError("the C++ CPU attention kernel is not available on this machine")
     q = q.contiguous()
     o, lse = out if out is not None else (torch.empty_like(q), q.new_empty(q.shape[:2]))
-    ext.decode(q, layer_kv.contiguous(), page_table.contiguous(), starts, ends,
-               KINDS[layout.dtype], layout.page_size, layout.num_kv_heads, layout.scales_start,
-               scale, o, lse)
+    refused = ext.decode(q, layer_kv.contiguous(), page_table.contiguous(), starts, ends,
+                         KINDS[layout.dtype], layout.page_size, layout.num_kv_heads,
+                         layout.scales_start, scale, o, lse)
+    if refused:
+        raise RuntimeError(refused)
     return o, lse
 
 

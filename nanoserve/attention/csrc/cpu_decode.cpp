@@ -36,6 +36,7 @@
 #include <mutex>
 #include <condition_variable>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -382,24 +383,41 @@ JobFn pick_avx512(int kind, int64_t d, int64_t group) {
 
 }  // namespace
 
-void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::Tensor starts,
-            torch::Tensor ends, int64_t kind, int64_t page_size, int64_t num_kv_heads,
-            int64_t scales_offset, double sm_scale, torch::Tensor out, torch::Tensor lse) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
-              "q: contiguous float32 [batch, q_heads, head_dim]");
-  TORCH_CHECK(kv.is_contiguous() && kv.dim() == 3, "kv: contiguous [2, pages, row]");
-  TORCH_CHECK(page_table.dtype() == torch::kInt32 && page_table.is_contiguous(),
-              "page_table: contiguous int32");
-  TORCH_CHECK(starts.dtype() == torch::kInt32 && ends.dtype() == torch::kInt32,
-              "starts, ends: int32");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() &&
-              out.sizes() == q.sizes(), "out: contiguous float32 like q");
-  TORCH_CHECK(lse.dtype() == torch::kFloat32 && lse.is_contiguous() && lse.dim() == 2 &&
-              lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
-              "lse: contiguous float32 [batch, q_heads]");
+// Refusals come back as their message ("" once the call ran), built without C++ streams: on
+// the GPU machines (torch 2.11, g++ 13) this module's first use of a stream (TORCH_CHECK's and
+// c10::str's messages) kills the process.
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, int64_t x) { s += std::to_string(x); }
+
+template <class... A>
+std::string message(const A&... parts) {
+  std::string s;
+  (append(s, parts), ...);
+  return s;
+}
+
+#define NS_REFUSE_UNLESS(cond, ...) \
+  if (!(cond)) return message(__VA_ARGS__)
+
+std::string decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
+                   torch::Tensor starts, torch::Tensor ends, int64_t kind, int64_t page_size,
+                   int64_t num_kv_heads, int64_t scales_offset, double sm_scale,
+                   torch::Tensor out, torch::Tensor lse) {
+  NS_REFUSE_UNLESS(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3,
+                   "q: contiguous float32 [batch, q_heads, head_dim]");
+  NS_REFUSE_UNLESS(kv.is_contiguous() && kv.dim() == 3, "kv: contiguous [2, pages, row]");
+  NS_REFUSE_UNLESS(page_table.dtype() == torch::kInt32 && page_table.is_contiguous(),
+                   "page_table: contiguous int32");
+  NS_REFUSE_UNLESS(starts.dtype() == torch::kInt32 && ends.dtype() == torch::kInt32,
+                   "starts, ends: int32");
+  NS_REFUSE_UNLESS(out.dtype() == torch::kFloat32 && out.is_contiguous() &&
+                   out.sizes() == q.sizes(), "out: contiguous float32 like q");
+  NS_REFUSE_UNLESS(lse.dtype() == torch::kFloat32 && lse.is_contiguous() && lse.dim() == 2 &&
+                   lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+                   "lse: contiguous float32 [batch, q_heads]");
   const int64_t batch = q.size(0), q_heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads");
-  TORCH_CHECK(starts.numel() >= batch && ends.numel() >= batch, "starts, ends: one per row");
+  NS_REFUSE_UNLESS(q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads");
+  NS_REFUSE_UNLESS(starts.numel() >= batch && ends.numel() >= batch, "starts, ends: one per row");
   Geometry g;
   g.q_heads = q_heads;
   g.kv_heads = num_kv_heads;
@@ -429,8 +447,8 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) {
     if (hi[b] <= lo[b]) continue;
-    TORCH_CHECK(b < page_table.size(0) && (hi[b] - 1) / page_size < width,
-                "row ", b, " attends tokens past its page table");
+    NS_REFUSE_UNLESS(b < page_table.size(0) && (hi[b] - 1) / page_size < width,
+                     "row ", b, " attends tokens past its page table");
     total += hi[b] - lo[b];
   }
   const int64_t threads = at::get_num_threads();
@@ -489,6 +507,7 @@ void decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table, torch::
       lp[b * q_heads + h] = m + std::log(l);
     }
   });
+  return "";
 }
 
 // The host side of CPU attention beside the link, as a thread of its own (attention/
@@ -507,9 +526,9 @@ class ShareWorker {
       : q_(q), o_(o), lse_(lse), host_kv_(host_kv), kind_(kind), page_size_(page_size),
         kv_heads_(num_kv_heads), scales_offset_(scales_offset), sm_scale_(sm_scale),
         threads_(threads) {
-    TORCH_CHECK(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
-                q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0),
-                "flags: int32, one per streamed layer");
+    if (!(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
+          q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0)))
+      throw std::invalid_argument("flags: int32, one per streamed layer");  // no TORCH_CHECK: above
     q_flags_ = q_flags.data_ptr<int32_t>();  // written by the GPU's copies: atomic loads
     done_flags_ = done_flags.data_ptr<int32_t>();
     flag_owners_ = {q_flags, done_flags};
@@ -639,15 +658,15 @@ class ShareWorker {
         const auto t0 = Clock::now();
         if (last_end) (layer == 0 ? step_gap : between) += seconds(*last_end, t0);
         else if (layer == 0) step_gap = std::numeric_limits<double>::quiet_NaN();
-        try {
-          decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
-                 page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
-                 lse_.narrow(0, 0, rows));
-        } catch (const std::exception& e) {  // the GPU must not wait forever: zeros, then said
+        const std::string refused =
+            decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
+                   page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
+                   lse_.narrow(0, 0, rows));
+        if (!refused.empty()) {  // the GPU must not wait forever: zeros, then said
           o_.narrow(0, 0, rows).zero_();
           lse_.narrow(0, 0, rows).fill_(-std::numeric_limits<float>::infinity());
           std::lock_guard<std::mutex> lock(mutex_);
-          if (error_.empty()) error_ = e.what();
+          if (error_.empty()) error_ = refused;
         }
         last_end = Clock::now();
         worked += seconds(t0, *last_end);
@@ -677,7 +696,8 @@ class ShareWorker {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "paged decode attention over host KV, a token range per sequence",
+  m.def("decode", &decode,
+        "paged decode attention over host KV, a token range per sequence; the refusal or \"\"",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   // module_local: the build without AVX-512 (tests) loads beside this one in one process
   pybind11::class_<ShareWorker>(m, "ShareWorker", pybind11::module_local())
