@@ -528,7 +528,7 @@ class ShareWorker {
         threads_(threads) {
     if (!(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
           q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0)))
-      throw std::invalid_argument("flags: int32, one per streamed layer");  // no TORCH_CHECK: above
+      throw std::invalid_argument("flags: int32, one per streamed layer");  // not TORCH_CHECK
     q_flags_ = q_flags.data_ptr<int32_t>();  // written by the GPU's copies: atomic loads
     done_flags_ = done_flags.data_ptr<int32_t>();
     flag_owners_ = {q_flags, done_flags};
