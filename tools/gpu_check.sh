@@ -60,9 +60,12 @@ for w in $what; do
           --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
           2>&1 | grep -v "it/s\]" | tail -3)
       fi ;;
-    cpusplit)  # issue 33: CPU attention beside the link: its GPU tests, the 32K needle with the
-               # split (graphs, eager, FP8 KV), every layer streamed
-      run python3 -m pytest -q -m gpu tests/test_gpu_cpu_share.py -p no:cacheprovider 2>&1 \
+    cpusplit)  # issue 33: CPU attention beside the link: its GPU tests and the CPU kernel's own
+               # tests on this host's CPU and compiler (they found a crash the dev machine did
+               # not have), the 32K needle with the split (graphs, eager, FP8 KV), every layer
+               # streamed
+      run python3 -m pytest -q tests/test_gpu_cpu_share.py tests/test_cpu_attention.py \
+        -p no:cacheprovider 2>&1 \
         | grep -v "it/s\]" | tee "$OUT/pytest_cpusplit.log" | grep -E "passed|failed|^E  " | tail -20
       for m in "--use-cuda-graph" "--enforce-eager" "--use-cuda-graph --kv-cache-dtype fp8"; do
         run python3 tests/test_needle.py --input-len 32768 --depths 0,0.5,1 --enable-offload \
