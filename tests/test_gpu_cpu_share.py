@@ -121,3 +121,17 @@ def test_corrupting_a_page_only_the_cpu_reads_changes_the_tokens(model_dir):
 
 def test_32k_qwen3_8b_with_the_split_equals_resident():
     assert_32k_offload_equals_resident(4.0, cpu_attention="auto")
+
+
+def test_the_device_reads_the_hosts_results_fresh_each_time():
+    """host_flags.read_host: a kernel's read of pinned memory (the CPU share's output and
+    LSE) gives exactly the host's values, and the host's next values on the next read (the
+    same addresses, read again per layer: nothing cached)."""
+    from nanoserve.attention.host_flags import device_view, read_host
+
+    host = torch.zeros(3, 32, 128, pin_memory=True)
+    view = device_view(host, torch.device("cuda"))
+    for _ in range(3):
+        host.copy_(torch.randn(3, 32, 128))
+        got = read_host(view[:2])
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), host[:2])

@@ -11,8 +11,9 @@ Per streamed layer (AttentionBackend.split_decode):
 1. `send_q`: q goes to a pinned buffer (a device-to-host copy on the compute stream), then the
    step's number to the layer's q flag in pinned memory;
 2. the GPU's share is enqueued (stage 1 of split-KV decode, over tokens [cpu_tokens, len));
-3. `attend`: the CPU's output and LSE are uploaded from pinned buffers and merged, after the
-   GPU has waited for the layer's done flag (attention/host_flags.py).
+3. `attend`: the CPU's output and LSE are read from pinned buffers (by a kernel, with the
+   worker: a copy engine would queue them behind the layers' loads) and merged, after the GPU
+   has waited for the layer's done flag (attention/host_flags.py).
 The host's work runs on a thread of its own (ShareWorker, csrc/cpu_decode.cpp): it spins on
 the q flag, runs the kernel over the layer's host KV, writes the done flag. Nothing in the
 step waits on the thread that launches it, so a decode step is one CUDA graph as any other,
@@ -111,7 +112,9 @@ class CpuShare:
                                    self.done_flags, self.layout, self.scale, self.threads)
         if self.worker is None:
             return False
-        self._wait = host_flags.wait_for_host
+        self._wait, self._read = host_flags.wait_for_host, host_flags.read_host
+        self._o_view = host_flags.device_view(self.o, self.device)
+        self._lse_view = host_flags.device_view(self.lse, self.device)
         self._done_view = host_flags.device_view(self.done_flags, self.device)
         self._error_view = host_flags.device_view(self.error, self.device)
         self.step = 0
@@ -200,6 +203,8 @@ class CpuShare:
                                  self._must_wait)
         if self.device.type != "cuda":
             return self.o[:rows].clone(), self.lse[:rows].clone()
+        if self.worker is not None:
+            return self._read(self._o_view[:rows]), self._read(self._lse_view[:rows])
         return (self.o[:rows].to(self.device, non_blocking=True),
                 self.lse[:rows].to(self.device, non_blocking=True))
 

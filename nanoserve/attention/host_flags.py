@@ -2,7 +2,9 @@
 spins on an int32 in pinned host memory until it holds the value a device scalar holds, so a
 stream (and a CUDA graph) can wait for host work without the host launching anything after it.
 It gives up after about `max_polls` reads of host memory (a read crosses the link: ~1 us) and
-sets an error flag the host checks, rather than hang the device forever."""
+sets an error flag the host checks, rather than hang the device forever. Then the host's
+results are read by a kernel straight from pinned memory: a copy engine would queue them
+behind the streamed layers' host-to-device copies."""
 
 from __future__ import annotations
 
@@ -27,21 +29,40 @@ def _wait_for_host(flag_ptr, want_ptr, error_ptr, max_polls):
         tl.store(error_ptr, 1)
 
 
+@triton.jit
+def _read_host(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    # volatile: the same host addresses were read for the previous layer; no cached copy
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=live, volatile=True), mask=live)
+
+
+TYPESTR = {torch.int32: "<i4", torch.float32: "<f4"}
+
+
 class _Interface:
     """A pinned host tensor's memory as the device sees it (unified addressing: the same
     address), through the CUDA array interface, so that torch makes a CUDA tensor of it."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.__cuda_array_interface__ = {
-            "shape": tuple(t.shape), "typestr": "<i4", "data": (t.data_ptr(), False),
-            "version": 3, "strides": None}
+            "shape": tuple(t.shape), "typestr": TYPESTR[t.dtype],
+            "data": (t.data_ptr(), False), "version": 3, "strides": None}
 
 
 def device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor over a pinned int32 host tensor's memory (reads and writes cross the
-    link)."""
-    assert pinned.is_pinned() and pinned.dtype == torch.int32 and pinned.is_contiguous()
+    """A CUDA tensor over a pinned int32 or float32 host tensor's memory (reads and writes
+    cross the link)."""
+    assert pinned.is_pinned() and pinned.dtype in TYPESTR and pinned.is_contiguous()
     return torch.as_tensor(_Interface(pinned), device=device)
+
+
+def read_host(view: torch.Tensor) -> torch.Tensor:
+    """A device copy of `view` (a contiguous slice of a device view), read by a kernel."""
+    out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    n, block = view.numel(), 1024
+    _read_host[(triton.cdiv(n, block),)](view, out, n, BLOCK=block, num_warps=4)
+    return out
 
 
 def wait_for_host(flag: torch.Tensor, want: torch.Tensor, error: torch.Tensor) -> None:
