@@ -36,6 +36,7 @@ from tqdm import tqdm
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
 from nanoserve.cuda_timing import median_ms
+from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models.config import ModelConfig
@@ -224,9 +225,12 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
             engine.add_request(doc + tokens(input_len - len(doc)), params)]
     t0 = time.perf_counter()
+    prefill = PrefillProgress()
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
+        prefill.update(*prefill_counts(seqs))
     ttft = time.perf_counter() - t0
+    prefill.close()
     steps, streamed, waits, on_cpu = [], [], [], []
     collect = runner.collect  # async scheduling: where a step's host waits for the GPU
 

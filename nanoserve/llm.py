@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine
+from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
 from nanoserve.engine.sequence import Sequence
 from nanoserve.errors import InvalidParameter
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -23,16 +24,18 @@ class LLM:
     exit)."""
 
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs) -> None:
-        self._start(LLMEngine(EngineConfig(model=model or "", **kwargs), progress))
+        """progress: bars on long work (loading, building plans, prefills of more than a few
+        seconds)."""
+        self._start(LLMEngine(EngineConfig(model=model or "", **kwargs), progress), progress)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
-        llm._start(LLMEngine(cfg, progress))
+        llm._start(LLMEngine(cfg, progress), progress)
         return llm
 
-    def _start(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def _start(self, engine: LLMEngine, progress: bool) -> None:
+        self.engine, self.progress = engine, progress
         self._finalizer = weakref.finalize(self, engine.shutdown)
 
     def shutdown(self) -> None:
@@ -69,6 +72,7 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         owner: dict[int, int] = {}  # seq_id -> prompt index
         seqs: dict[int, list[Sequence]] = {}
+        prefill = PrefillProgress(self.progress)
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 try:
@@ -81,7 +85,9 @@ class LLM:
             bar = tqdm(total=len(owner), desc="Generating", disable=not use_tqdm)
             left = {i: len(g) for i, g in seqs.items()}
             while self.engine.has_unfinished():
-                for seq in self.engine.step():
+                finished = self.engine.step()
+                prefill.update(*prefill_counts(g[0] for g in seqs.values()))
+                for seq in finished:
                     i = owner.get(seq.seq_id)
                     if i is None:
                         continue
@@ -91,6 +97,7 @@ class LLM:
                         outputs[i] = self._output(seqs[i])
             bar.close()
         finally:  # an interrupt or a broken device: leave nothing queued behind
+            prefill.close()
             for group in seqs.values():
                 for seq in group:
                     if not seq.is_finished:

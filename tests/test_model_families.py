@@ -18,6 +18,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from nanoserve import SamplingParams
+from nanoserve.kv.fp8_format import FP8
+from nanoserve.kv.spec import KVSpec
 from nanoserve.models import moe
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import RotaryEmbedding
@@ -312,3 +314,36 @@ def test_moe_offload_gives_the_same_tokens_as_resident(moe_model):
     llm = make_llm(path, enable_offload=True, resident_layers=1, host_kv_budget_gib=0.01, **kw)
     assert llm.engine.kv.plan.streamed_layers == 2
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+
+
+# --- one million tokens ---------------------------------------------------------------------------
+def test_the_shipped_1m_llama3_config_parses_and_sizes():
+    """Llama-3-8B-Instruct-Gradient-1048k's shape (issue 34): 1,048,576 positions through a
+    larger RoPE base, no scaling; Llama 3 8B's weights; KV per token 128 KiB in bf16 and 66 KiB
+    in FP8 (its scales included): 128 GiB and 66 GiB at 1M tokens."""
+    cfg = ModelConfig.from_dir(resolve_model_dir("Llama-3-8B-1048k", dummy_weights=True))
+    assert cfg.max_position_embeddings == 1_048_576
+    assert cfg.rope_theta == 3580165449.0 and cfg.rope_scaling is None
+    llama31 = ModelConfig.from_dir(resolve_model_dir("Llama-3.1-8B", dummy_weights=True))
+    assert num_model_params(cfg) == num_model_params(llama31) == 8_030_261_248
+    bf16, fp8 = (KVSpec.for_model(cfg, 256, dtype) for dtype in (torch.bfloat16, FP8))
+    assert bf16.token_bytes() == 32 * 2 * 8 * 128 * 2 == 131_072
+    assert fp8.token_bytes() == 32 * 2 * 8 * (128 + 4) == 67_584
+    assert fp8.token_bytes() * 1_048_576 == 70_866_960_384  # 66.0 GiB
+
+
+def test_1m_rope_equals_transformers_at_its_last_positions():
+    """The cos/sin table over all 1,048,576 positions equals transformers' Llama RoPE with the
+    same base, bitwise, up to the last position (float32 angles there are what transformers
+    computes too)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    path = resolve_model_dir("Llama-3-8B-1048k", dummy_weights=True)
+    cfg = ModelConfig.from_dir(path)
+    hf_cfg = transformers.LlamaConfig.from_pretrained(path)
+    ours = RotaryEmbedding(128, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    ours.build()
+    positions = torch.tensor([[0, 1, 262_143, 524_288, 1_000_000, 1_048_575]])
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    table = ours.cos_sin[positions[0]]
+    assert torch.equal(table[:, :64], cos[0, :, :64]) and torch.equal(table[:, 64:], sin[0, :, :64])

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from nanoserve.engine.prefill_progress import prefill_counts
 from nanoserve.serve.async_engine import AsyncEngine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -54,6 +55,11 @@ class EngineCollector:
         yield gauge("requests_running", "Sequences decoding.", len(sched.running))
         yield gauge("requests_waiting", "Sequences queued, prefilling or preempted.",
                     len(sched.waiting))
+        done, total = prefill_counts((*tuple(sched.waiting), *list(sched.running)))
+        yield gauge("prefill_prompt_tokens", "Prompt tokens of the sequences whose prompt is "
+                    "not all computed yet.", total)
+        yield gauge("prefill_computed_tokens", "Of those, the tokens computed so far (or served "
+                    "by the prefix cache): a long prefill's progress.", done)
         # one page id holds a token range for every layer: resident layers' KV on the device
         # (a GPU, or the CPU the engine runs on), streamed layers' KV in host memory; `device`
         # names the memory each tier is in
