@@ -226,11 +226,13 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
             engine.add_request(doc + tokens(input_len - len(doc)), params)]
     t0 = time.perf_counter()
     prefill = PrefillProgress()
-    while any(s.num_output_tokens == 0 for s in seqs):
-        engine.step()
-        prefill.update(*prefill_counts(seqs))
+    try:
+        while any(s.num_output_tokens == 0 for s in seqs):
+            engine.step()
+            prefill.update(*prefill_counts(seqs))
+    finally:
+        prefill.close()
     ttft = time.perf_counter() - t0
-    prefill.close()
     steps, streamed, waits, on_cpu = [], [], [], []
     collect = runner.collect  # async scheduling: where a step's host waits for the GPU
 

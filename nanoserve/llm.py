@@ -86,7 +86,11 @@ class LLM:
             left = {i: len(g) for i, g in seqs.items()}
             while self.engine.has_unfinished():
                 finished = self.engine.step()
-                prefill.update(*prefill_counts(g[0] for g in seqs.values()))
+                if prefill.enabled:  # a prompt still waits for its prefill while any does
+                    if self.engine.scheduler.waiting:
+                        prefill.update(*prefill_counts(s for g in seqs.values() for s in g))
+                    else:
+                        prefill.finish()
                 for seq in finished:
                     i = owner.get(seq.seq_id)
                     if i is None:

@@ -125,8 +125,9 @@ def test_32k_qwen3_8b_with_the_split_equals_resident():
 
 def test_the_device_reads_the_hosts_results_fresh_each_time():
     """host_flags.read_host: a kernel's read of pinned memory (the CPU share's output and
-    LSE) gives exactly the host's values, and the host's next values on the next read (the
-    same addresses, read again per layer: nothing cached)."""
+    LSE) gives exactly the host's values, and new values the host wrote at the same addresses
+    on the next read. (The ordering against the worker's done flag, without a sync between,
+    is what the engine tests with the split check.)"""
     from nanoserve.attention.host_flags import device_view, read_host
 
     host = torch.zeros(3, 32, 128, pin_memory=True)

@@ -1,6 +1,7 @@
 """Progress of long prefills (engine/prefill_progress.py): the bar appears only after a prefill
-has run for a while, counts prompt tokens with the rate and time left of a fake clock, finishes
-at the prompt's length; LLM.generate shows it over a chunked prefill; /metrics exposes it."""
+has run for a while (a fake clock), counts the batch's prompt tokens (joining prompts,
+preemption), finishes at their length; LLM.generate shows it over a chunked prefill; /metrics
+exposes the prefills in flight."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from helpers import make_llm
 from nanoserve import SamplingParams
 from nanoserve.engine import prefill_progress
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, Status
 
 
 class FakeClock:
@@ -37,7 +38,7 @@ class RecordingBar:
         self.closed = True
 
 
-def test_the_bar_shows_after_the_delay_with_the_rate_and_time_left():
+def test_the_bar_shows_after_the_delay_and_completes_at_the_prompts_length():
     RecordingBar.made.clear()
     clock = FakeClock()
     p = PrefillProgress(show_after=2.0, clock=clock, make_bar=RecordingBar)
@@ -45,52 +46,58 @@ def test_the_bar_shows_after_the_delay_with_the_rate_and_time_left():
     clock.now += 1.0
     p.update(300, 1000)
     assert RecordingBar.made == []  # a prefill shorter than the delay shows nothing
-    assert p.rate == pytest.approx(300.0) and p.eta == pytest.approx(700 / 300)
     clock.now += 1.5
     p.update(600, 1000)
     [bar] = RecordingBar.made
-    assert (bar.total, bar.n, bar.kw["unit"]) == (1000, 600, "tok")
-    assert p.rate == pytest.approx(240.0) and p.eta == pytest.approx(400 / 240)
+    assert (bar.total, bar.n, bar.kw["unit"], bar.kw["desc"]) == (1000, 600, "tok", "Prefill")
     clock.now += 1.0
     p.update(900, 1000)
     assert bar.n == 900 and not bar.closed
     p.update(1000, 1000)  # done: the bar completes and closes
-    assert bar.n == 1000 and bar.closed and p.bar is None and p.rate is None
+    assert bar.n == 1000 and bar.closed and p.bar is None
 
 
-def test_new_prefills_start_the_count_over_and_a_disabled_progress_shows_nothing():
+def test_the_bar_follows_joining_prompts_and_preemption_and_off_shows_nothing():
     RecordingBar.made.clear()
     clock = FakeClock()
     p = PrefillProgress(show_after=0.0, clock=clock, make_bar=RecordingBar)
     p.update(10, 100)
-    clock.now += 1
-    p.update(50, 300)  # a second prompt joined: a new bar over both
-    first, second = RecordingBar.made
-    assert first.closed and (second.total, second.n) == (300, 50) and not second.closed
-    assert p.rate is None  # no time has passed for the new count
+    p.update(500, 1000)  # more prompts joined the batch: the same bar, a larger total
+    p.update(200, 1000)  # one was preempted: its computed tokens count again from 0
+    [bar] = RecordingBar.made
+    assert (bar.total, bar.n, bar.closed) == (1000, 200, False)
+    p.finish()
+    assert (bar.n, bar.closed) == (1000, True)
     off = PrefillProgress(enabled=False, show_after=0.0, clock=clock, make_bar=RecordingBar)
     off.update(1, 10)
-    assert len(RecordingBar.made) == 2 and off.bar is None
+    assert len(RecordingBar.made) == 1 and off.bar is None
 
 
-def test_prefill_counts_only_prompts_still_being_computed():
+def test_prefill_counts_count_computed_prompt_tokens():
     params = SamplingParams(max_tokens=4)
-    partial, whole, cached = (Sequence(list(range(n)), params) for n in (100, 40, 60))
-    partial.num_cached, whole.num_cached, cached.num_cached = 30, 40, 20
-    assert prefill_counts([partial, whole, cached]) == (50, 160)
-    assert prefill_counts([whole]) == (0, 0)
+    partial, decoding, finished, preempted = (Sequence(list(range(n)), params)
+                                              for n in (100, 40, 60, 30))
+    partial.num_cached, decoding.num_cached = 30, 45
+    decoding.status = Status.RUNNING
+    finished.status = Status.FINISHED  # its pages are released: num_cached 0
+    assert prefill_counts([partial, decoding, finished, preempted]) == (30 + 40 + 60, 230)
+    assert prefill_counts([]) == (0, 0)
 
 
 def test_generate_shows_the_bar_over_a_chunked_prefill(capsys, monkeypatch):
+    """Two prompts (200 and 100 tokens) in 32-token chunks: one bar over both, which ends at
+    300/300; with progress off, nothing."""
     monkeypatch.setattr(prefill_progress, "SHOW_AFTER_S", 0.0)
     llm = make_llm(None, max_num_batched_tokens=32, max_model_len=256)
     llm.progress = True
-    [out] = llm.generate([list(range(1, 201))], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert out.error is None and len(out.outputs[0].token_ids) == 2
+    prompts = [list(range(1, 201)), list(range(7, 107))]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
     err = capsys.readouterr().err
-    assert "Prefill" in err and "200/200" in err
-    llm.progress = False  # and without progress, not a character
-    llm.generate([list(range(1, 201))], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert err.count("Prefill") >= 1 and "300/300" in err
+    llm.progress = False
+    llm.generate(prompts, params)
     assert "Prefill" not in capsys.readouterr().err
 
 

@@ -26,11 +26,11 @@ for w in $what; do
   case $w in
     tests)  # one H200: 461 s in session 12 (STEP_TIMEOUT=575, a call of its own)
       run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
-             | grep -v "it/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
+             | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
       run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py \
         tests/test_gpu_linear.py tests/test_gpu_rope_store.py tests/test_gpu_engine.py \
-        -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee "$OUT/pytest_kernels.log" \
+        -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_kernels.log" \
         | grep -E "passed|failed|FAIL|Error|^E  " | tail -30 ;;
     needle)
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
@@ -38,27 +38,27 @@ for w in $what; do
       done ;;
     gen)
       G="python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 32768 --output-len 128"
-      run $G 2>&1 | grep -v "it/s\]" | tail -4 | tee "$OUT/gen_resident.log"
-      run $G --enable-offload --resident-layers 0 2>&1 | grep -v "it/s\]" | tail -4 | tee "$OUT/gen_offload_all.log" ;;
+      run $G 2>&1 | grep -v -E "(it|tok)/s\]" | tail -4 | tee "$OUT/gen_resident.log"
+      run $G --enable-offload --resident-layers 0 2>&1 | grep -v -E "(it|tok)/s\]" | tail -4 | tee "$OUT/gen_offload_all.log" ;;
     bench) run $B --input-len 4096,16384,32768,131072 --bench-all --compare-hf --out "$OUT" 2>&1 \
-             | grep -v "it/s\]" | tail -45 ;;
+             | grep -v -E "(it|tok)/s\]" | tail -45 ;;
     prefill)  # issue 16: TTFT vs the FLOP floor and transformers; batch 64 x 512 prefill rate
       run $B --input-len 4096,16384,32768,131072 --output-len 8 --resident-graph --compare-hf \
-        --out "$OUT/prefill" 2>&1 | grep -v "it/s\]" | tail -16
+        --out "$OUT/prefill" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -16
       run $B --input-len 512 --batch-size 64 --output-len 32 --resident-graph \
-        --out "$OUT/prefill64" 2>&1 | grep -v "it/s\]" | tail -6 ;;
+        --out "$OUT/prefill64" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -6 ;;
     profile)  # a step's kernel time by category (docs/perf-notes.md)
       run python3 tools/profile_step.py ${PROFILE_ARGS:---prefill 32768 --decode 1x32768,64x512 --top 8} 2>&1 \
         | grep -v "it/s\]\|arn" | tee "$OUT/profile.log" ;;
     stall)  # issue 17: a stream's largest gap while a 32K prompt arrives (before: a tree of an
             # earlier commit in .before86, if carried, runs this bench against its engine)
       run $B --input-len 32768 --output-len 8 --resident-graph --offload-graph --stall \
-        --out "$OUT/stall" 2>&1 | grep -v "it/s\]" | tail -4
+        --out "$OUT/stall" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -4
       if [ -d .before86 ]; then
         cp bench_offload.py .before86/bench_stall_new.py
         (cd .before86 && PYTHONPATH=$PWD run python3 bench_stall_new.py --model Qwen3-8B \
           --output-len 8 --input-len 32768 --resident-graph --stall --out "$OUT/stall_before" \
-          2>&1 | grep -v "it/s\]" | tail -3)
+          2>&1 | grep -v -E "(it|tok)/s\]" | tail -3)
       fi ;;
     cpusplit)  # issue 33: CPU attention beside the link: its GPU tests and the CPU kernel's own
                # tests on this host's CPU and compiler (they found a crash the dev machine did
@@ -66,10 +66,10 @@ for w in $what; do
                # streamed
       run python3 -m pytest -q tests/test_gpu_cpu_share.py tests/test_cpu_attention.py \
         -p no:cacheprovider 2>&1 \
-        | grep -v "it/s\]" | tee "$OUT/pytest_cpusplit.log" | grep -E "passed|failed|^E  " | tail -20
+        | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_cpusplit.log" | grep -E "passed|failed|^E  " | tail -20
       for m in "--use-cuda-graph" "--enforce-eager" "--use-cuda-graph --kv-cache-dtype fp8"; do
         run python3 tests/test_needle.py --input-len 32768 --depths 0,0.5,1 --enable-offload \
-          --resident-layers 0 --cpu-attention auto $m 2>&1 | grep -v "it/s\]" | tail -6 \
+          --resident-layers 0 --cpu-attention auto $m 2>&1 | grep -v -E "(it|tok)/s\]" | tail -6 \
           | tee -a "$OUT/needle_cpusplit.log"
       done ;;
     cpurate)  # issue 33: the CPU kernel's GB/s by threads against the host's read rate
@@ -77,7 +77,7 @@ for w in $what; do
     splitbench)  # issue 33's table: every layer streamed, the split off / auto / fixed
       run $B --input-len ${SPLIT_LENS:-32768} --batch-size ${SPLIT_BATCH:-1} --offload-graph \
         --cpu-attention ${SPLIT_CPU:-off,auto} --kv-cache-dtype ${SPLIT_KV:-auto} \
-        --out "$OUT/split-${SPLIT_KV:-auto}-b${SPLIT_BATCH:-1}" 2>&1 | grep -v "it/s\]" | tail -24 ;;
+        --out "$OUT/split-${SPLIT_KV:-auto}-b${SPLIT_BATCH:-1}" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -24 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
         for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous
@@ -95,15 +95,15 @@ for w in $what; do
       run python3 tools/bench_h2d_contention.py 2>&1 | tee "$OUT/h2d.log"
       run python3 tools/bench_h2d_contention.py --layer-loads 2>&1 | tee -a "$OUT/h2d.log" ;;
     ttft)  # prompts of many new lengths in a fresh engine: what a new prefill shape costs
-      run python3 tools/ttft_lengths.py 2>&1 | grep -v "it/s\]" | tee "$OUT/ttft.log" | tail -4 ;;
+      run python3 tools/ttft_lengths.py 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/ttft.log" | tail -4 ;;
     link)  # issue 17: offloaded decode's link and compute timelines at 4K, from CUDA events
       run python3 tools/link_timeline.py ${LINK_ARGS:---num-kv-buffers 2,3} 2>&1 \
-        | grep -v "it/s\]" | tee "$OUT/link.log" ;;
+        | grep -v -E "(it|tok)/s\]" | tee "$OUT/link.log" ;;
     sweep) run $B --input-len 16384 --batch-size 1,4,16 --resident-graph --offload-graph \
-             --out "$OUT/sweep" 2>&1 | grep -v "it/s\]" | tail -14 ;;
+             --out "$OUT/sweep" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -14 ;;
     fp8)  # issue 13: FP8 KV tests, accuracy, the 32K needle in three modes, the bench, 512K
       run python3 -m pytest -q -m gpu tests/test_gpu_fp8.py tests/test_gpu_kernels.py \
-        tests/test_gpu_offload.py -p no:cacheprovider -s 2>&1 | grep -v "it/s\]" \
+        tests/test_gpu_offload.py -p no:cacheprovider -s 2>&1 | grep -v -E "(it|tok)/s\]" \
         | tee "$OUT/pytest_fp8.log" | grep -E "passed|failed|FAIL|Error|^E  |Qwen3-8B shape" | tail -40
       run python3 tools/fp8_accuracy.py --device cuda 2>&1 | tee "$OUT/fp8_accuracy.log"
       for m in "--enable-offload --use-cuda-graph" "--enable-offload --enforce-eager" "--use-cuda-graph"; do
@@ -112,17 +112,17 @@ for w in $what; do
       done ;;
     fp8bench)  # issue 13's targets: 32K and 128K streamed and resident, bf16 128K, 512K
       run $B --input-len 32768,131072 --bench-all --kv-cache-dtype fp8 --out "$OUT/fp8" 2>&1 \
-        | grep -v "it/s\]" | tail -14
+        | grep -v -E "(it|tok)/s\]" | tail -14
       run $B --input-len 131072 --resident-graph --out "$OUT/bf16-128k" 2>&1 \
-        | grep -v "it/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
+        | grep -v -E "(it|tok)/s\]" | tail -5  # resident 128K: fp8's ratio to its floor against bf16's
       run python3 -m nanoserve generate --model Qwen3-8B --dummy-weights --input-len 524288 \
-        --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v "it/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
+        --output-len 32 --kv-cache-dtype fp8 2>&1 | grep -v -E "(it|tok)/s\]" | tail -8 | tee "$OUT/gen_512k_fp8.log" ;;
     tpsmoke)  # issue 15: TP engines stage by stage (eager, graphs, offload) with timings
       run python3 tools/tp_smoke.py --tp "$(nvidia-smi -L | wc -l)" --hang-s 90 2>&1 \
-        | grep --line-buffered -v "it/s\]" | tail -40 ;;
+        | grep --line-buffered -v -E "(it|tok)/s\]" | tail -40 ;;
     tptests)  # issue 15 (2 or 4 GPUs): needle under TP, offload on == off, graphs == eager
       run python3 -m pytest -q -m gpu tests/test_gpu_tp.py -p no:cacheprovider -s 2>&1 \
-        | grep --line-buffered -v "it/s\]" | tee "$OUT/pytest_tp.log" \
+        | grep --line-buffered -v -E "(it|tok)/s\]" | tee "$OUT/pytest_tp.log" \
         | grep --line-buffered -E "passed|failed|FAIL|Error|^E  |TP=|/11 passed" | tail -40 ;;
     allreduce)  # issue 15: NCCL's transport between the GPUs and an all-reduce's time by size
       run python3 tools/bench_allreduce.py --tp "2,$(nvidia-smi -L | wc -l)" 2>&1 | tee "$OUT/allreduce.log" | tail -8
@@ -132,27 +132,27 @@ for w in $what; do
     tp32k)  # issue 15: resident 32K at TP 1, 2(, 4), batch 1
       n=$(nvidia-smi -L | wc -l); sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
       run $B --input-len 32768 --resident-graph --tensor-parallel-size $sizes \
-        --out "$OUT/tp32k" 2>&1 | grep --line-buffered -v "it/s\]" | tail -14 ;;
+        --out "$OUT/tp32k" 2>&1 | grep --line-buffered -v -E "(it|tok)/s\]" | tail -14 ;;
     tp128k)  # issue 15: offloaded 128K, every layer streamed, TP 1 and every GPU
       run $B --input-len 131072 --offload-graph --tensor-parallel-size "1,$(nvidia-smi -L | wc -l)" \
-        --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v "it/s\]" | tail -12 ;;
+        --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v -E "(it|tok)/s\]" | tail -12 ;;
     tune)  # the decode kernel's tiles for bf16 and FP8 KV (nanoserve/attention/triton_decode.py)
       run python3 tools/tune_decode.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_decode.log" ;;
     linear)  # issue 17: decode's linear layers, cuBLAS against the Triton skinny matmul
       run python3 tools/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/bench_linear.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
-              | grep -v "it/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
+              | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \
         --batch-size 1,32 --resident-graph --offload-graph --out "$OUT/moe" 2>&1 \
-        | grep -v "it/s\]" | tail -16 ;;
+        | grep -v -E "(it|tok)/s\]" | tail -16 ;;
     sampling)  # the sampler alone, then greedy vs sampled decode at batch 64 (issue 11), twice
       run python3 tools/profile_sampler.py --profile none 2>&1 | tee "$OUT/sampler.log"
       for i in 1 2; do
         run python3 bench_offload.py --model Qwen3-8B --input-len 512 --output-len 128 \
           --batch-size 64 --resident-graph --sampled --out "$OUT/sampled$i" 2>&1 \
-          | grep -v "it/s\]" | tail -12
+          | grep -v -E "(it|tok)/s\]" | tail -12
       done ;;
   esac
 done

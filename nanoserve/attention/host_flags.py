@@ -37,7 +37,7 @@ def _read_host(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=live, volatile=True), mask=live)
 
 
-TYPESTR = {torch.int32: "<i4", torch.float32: "<f4"}
+_TYPESTR = {torch.int32: "<i4", torch.float32: "<f4"}
 
 
 class _Interface:
@@ -46,19 +46,20 @@ class _Interface:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.__cuda_array_interface__ = {
-            "shape": tuple(t.shape), "typestr": TYPESTR[t.dtype],
+            "shape": tuple(t.shape), "typestr": _TYPESTR[t.dtype],
             "data": (t.data_ptr(), False), "version": 3, "strides": None}
 
 
 def device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over a pinned int32 or float32 host tensor's memory (reads and writes
     cross the link)."""
-    assert pinned.is_pinned() and pinned.dtype in TYPESTR and pinned.is_contiguous()
+    assert pinned.is_pinned() and pinned.dtype in _TYPESTR and pinned.is_contiguous()
     return torch.as_tensor(_Interface(pinned), device=device)
 
 
 def read_host(view: torch.Tensor) -> torch.Tensor:
     """A device copy of `view` (a contiguous slice of a device view), read by a kernel."""
+    assert view.is_contiguous()
     out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
     n, block = view.numel(), 1024
     _read_host[(triton.cdiv(n, block),)](view, out, n, BLOCK=block, num_warps=4)

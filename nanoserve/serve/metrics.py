@@ -55,9 +55,10 @@ class EngineCollector:
         yield gauge("requests_running", "Sequences decoding.", len(sched.running))
         yield gauge("requests_waiting", "Sequences queued, prefilling or preempted.",
                     len(sched.waiting))
-        done, total = prefill_counts((*tuple(sched.waiting), *list(sched.running)))
+        prefilling = [s for s in tuple(sched.waiting) if s.num_cached < s.num_prompt_tokens]
+        done, total = prefill_counts(prefilling)  # (running: prompts computed)
         yield gauge("prefill_prompt_tokens", "Prompt tokens of the sequences whose prompt is "
-                    "not all computed yet.", total)
+                    "not all computed yet (per sequence: n completions count n times).", total)
         yield gauge("prefill_computed_tokens", "Of those, the tokens computed so far (or served "
                     "by the prefix cache): a long prefill's progress.", done)
         # one page id holds a token range for every layer: resident layers' KV on the device

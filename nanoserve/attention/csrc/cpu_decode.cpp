@@ -385,7 +385,9 @@ JobFn pick_avx512(int kind, int64_t d, int64_t group) {
 
 // Refusals come back as their message ("" once the call ran), built without C++ streams: on
 // the GPU machines (torch 2.11, g++ 13) this module's first use of a stream (TORCH_CHECK's and
-// c10::str's messages) kills the process.
+// c10::str's messages) kills the process, for a reason not found (an ABI mismatch, likely).
+// Nothing in this file may build a message through a stream: no TORCH_CHECK, c10::str,
+// TORCH_WARN.
 inline void append(std::string& s, const char* x) { s += x; }
 inline void append(std::string& s, int64_t x) { s += std::to_string(x); }
 
@@ -396,8 +398,10 @@ std::string message(const A&... parts) {
   return s;
 }
 
-#define NS_REFUSE_UNLESS(cond, ...) \
-  if (!(cond)) return message(__VA_ARGS__)
+#define NS_REFUSE_UNLESS(cond, ...)           \
+  do {                                        \
+    if (!(cond)) return message(__VA_ARGS__); \
+  } while (0)
 
 std::string decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
                    torch::Tensor starts, torch::Tensor ends, int64_t kind, int64_t page_size,
@@ -658,10 +662,14 @@ class ShareWorker {
         const auto t0 = Clock::now();
         if (last_end) (layer == 0 ? step_gap : between) += seconds(*last_end, t0);
         else if (layer == 0) step_gap = std::numeric_limits<double>::quiet_NaN();
-        const std::string refused =
-            decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts, step.ends, kind_,
-                   page_size_, kv_heads_, scales_offset_, sm_scale_, o_.narrow(0, 0, rows),
-                   lse_.narrow(0, 0, rows));
+        std::string refused;
+        try {  // (no exception is expected; one escaping this thread would end the process)
+          refused = decode(q_.narrow(0, 0, rows), host_kv_[layer], step.table, starts,
+                           step.ends, kind_, page_size_, kv_heads_, scales_offset_, sm_scale_,
+                           o_.narrow(0, 0, rows), lse_.narrow(0, 0, rows));
+        } catch (const std::exception& e) {
+          refused = e.what();
+        }
         if (!refused.empty()) {  // the GPU must not wait forever: zeros, then said
           o_.narrow(0, 0, rows).zero_();
           lse_.narrow(0, 0, rows).fill_(-std::numeric_limits<float>::infinity());
