@@ -191,12 +191,14 @@ def _await(flag: torch.Tensor, value: int, timeout: float = 20.0) -> None:
         time.sleep(1e-4)
 
 
-def test_the_share_worker_serves_each_flagged_layer_in_order():
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_share_worker_serves_each_flagged_layer_in_order(warm):
     """The host's thread (csrc/cpu_decode.cpp ShareWorker), with this test as the GPU: it
     serves the submitted step whose number reaches layer 0's q flag (a step submitted but
     never run is dropped), runs a layer only once its q flag says so, writes the kernel's
     output, then the done flag; each served step's figures come back once; a failing kernel
-    still releases the GPU; a step left mid-way does not hold the worker."""
+    still releases the GPU; a step left mid-way does not hold the worker. With and without
+    warming the next layer's share while it waits."""
     if _extension() is None:
         pytest.skip("no C++ compiler here")
     spec = KVSpec(1, PAGE, KV_HEADS, D, torch.bfloat16)
@@ -207,7 +209,7 @@ def test_the_share_worker_serves_each_flagged_layer_in_order():
     ends = torch.tensor([100, 0], dtype=torch.int32)
     o, lse = torch.zeros_like(q), torch.zeros(q.shape[:2])
     q_flags, done = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
-    worker = share_worker(q, o, lse, host_kv, q_flags, done, spec.layout, SCALE, 1)
+    worker = share_worker(q, o, lse, host_kv, q_flags, done, spec.layout, SCALE, 1, warm)
     try:
         worker.submit(4, ends, table)  # never reaches the GPU
         worker.submit(5, ends, table)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -125,16 +126,20 @@ def decode_cpp(q: torch.Tensor, layer_kv: torch.Tensor, layout: PageLayout,
 
 def share_worker(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, host_kv: torch.Tensor,
                  q_flags: torch.Tensor, done_flags: torch.Tensor, layout: PageLayout,
-                 scale: float, threads: int):
+                 scale: float, threads: int, warm: bool | None = None):
     """The C++ thread that runs the CPU's share of each streamed layer when the GPU flags
     its queries (attention/cpu_share.py), over pinned q, o, lse and the host store's layers
-    [layers, 2, pages, row]; None where the C++ kernel could not be built."""
+    [layers, 2, pages, row]; None where the C++ kernel could not be built. warm: between
+    two layers' kernels, pull the next layer's share toward the caches (default on;
+    NANOSERVE_CPU_WARM=0 turns it off, to measure it)."""
     ext = _extension()
     if ext is None:
         return None
+    if warm is None:
+        warm = os.environ.get("NANOSERVE_CPU_WARM", "1") != "0"
     return ext.ShareWorker(q, o, lse, host_kv, q_flags, done_flags, KINDS[layout.dtype],
                            layout.page_size, layout.num_kv_heads, layout.scales_start, scale,
-                           threads)
+                           threads, warm)
 
 
 KERNELS: dict[str, Kernel] = {"cpp": decode_cpp, "torch": decode_torch}

@@ -398,6 +398,88 @@ std::string message(const A&... parts) {
   return s;
 }
 
+Geometry geometry(const torch::Tensor& kv, int64_t kind, int64_t page_size, int64_t kv_heads,
+                  int64_t q_heads, int64_t d, int64_t scales_offset, double sm_scale) {
+  Geometry g;
+  g.q_heads = q_heads;
+  g.kv_heads = kv_heads;
+  g.group = q_heads / kv_heads;
+  g.d = d;
+  g.page_size = page_size;
+  g.row_bytes = kv.size(2) * kv.element_size();
+  g.elem = kind == BF16 || kind == F16 ? 2 : (kind == F32 ? 4 : 1);
+  g.scales_offset = scales_offset;
+  g.kind = static_cast<int>(kind);
+  g.sm_scale = static_cast<float>(sm_scale);
+  g.value_mul = kind == FP8 ? 256.f : 1.f;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(kv.data_ptr());
+  g.k_base = base;
+  g.v_base = base + kv.size(1) * g.row_bytes;
+  return g;
+}
+
+// A job: a run of one sequence's tokens. About two per thread over the whole batch (each
+// leaves a partial of q_heads x d floats that the merge reads: with eight a thread, that cost
+// more than the finer balance gained).
+struct Job { int64_t b, lo, hi; };
+struct Jobs {
+  std::vector<Job> jobs;
+  std::vector<int64_t> first_job;  // each sequence's first, then the count
+};
+
+Jobs split_jobs(const int32_t* lo, const int32_t* hi, int64_t batch, int64_t threads) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += std::max<int64_t>(0, hi[b] - lo[b]);
+  const int64_t want = 2 * threads;
+  int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
+  chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
+  Jobs out;
+  out.first_job.resize(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    out.first_job[b] = static_cast<int64_t>(out.jobs.size());
+    for (int64_t t = lo[b]; t < hi[b]; t += chunk)
+      out.jobs.push_back({b, t, std::min<int64_t>(t + chunk, hi[b])});
+  }
+  out.first_job[batch] = static_cast<int64_t>(out.jobs.size());
+  return out;
+}
+
+// Pulls the jobs' KV (and FP8 scales) toward the caches, thread t taking jobs t, t + threads,
+// ..., each from its start, until `arrived()` says the kernel's queries are there. Between
+// two layers' kernels the host's memory only serves the link; in the kernel it serves both.
+template <typename Arrived>
+void warm(const Geometry& g, const int32_t* table, int64_t width, const Jobs& plan,
+          int64_t threads, Arrived arrived) {
+  const int64_t token_bytes = g.kv_heads * g.d * g.elem;
+  const int64_t n_jobs = static_cast<int64_t>(plan.jobs.size());
+  auto pull = [&](const uint8_t* p, int64_t bytes) {  // false once the queries are there
+    for (int64_t i = 0; i < bytes; i += 64) {
+      if ((i & 4095) == 0 && arrived()) return false;
+      __builtin_prefetch(p + i, 0, 2);
+    }
+    return true;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t z) {
+    for (int64_t t = a; t < z; ++t)
+      for (int64_t i = t; i < n_jobs; i += threads) {
+        const Job& job = plan.jobs[i];
+        for (int64_t t0 = job.lo; t0 < job.hi;) {
+          const int64_t page = table[job.b * width + t0 / g.page_size];
+          const int64_t r0 = t0 % g.page_size;
+          const int64_t n = std::min<int64_t>(g.page_size - r0, job.hi - t0);
+          for (const uint8_t* base : {g.k_base, g.v_base}) {
+            const uint8_t* row = base + page * g.row_bytes;
+            if (!pull(row + r0 * token_bytes, n * token_bytes)) return;
+            if (g.kind == FP8 &&
+                !pull(row + g.scales_offset + r0 * g.kv_heads * 4, n * g.kv_heads * 4))
+              return;
+          }
+          t0 += n;
+        }
+      }
+  });
+}
+
 #define NS_REFUSE_UNLESS(cond, ...)           \
   do {                                        \
     if (!(cond)) return message(__VA_ARGS__); \
@@ -422,21 +504,8 @@ std::string decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
   const int64_t batch = q.size(0), q_heads = q.size(1), d = q.size(2);
   NS_REFUSE_UNLESS(q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads");
   NS_REFUSE_UNLESS(starts.numel() >= batch && ends.numel() >= batch, "starts, ends: one per row");
-  Geometry g;
-  g.q_heads = q_heads;
-  g.kv_heads = num_kv_heads;
-  g.group = q_heads / num_kv_heads;
-  g.d = d;
-  g.page_size = page_size;
-  g.row_bytes = kv.size(2) * kv.element_size();
-  g.elem = kind == BF16 || kind == F16 ? 2 : (kind == F32 ? 4 : 1);
-  g.scales_offset = scales_offset;
-  g.kind = static_cast<int>(kind);
-  g.sm_scale = static_cast<float>(sm_scale);
-  g.value_mul = kind == FP8 ? 256.f : 1.f;
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(kv.data_ptr());
-  g.k_base = base;
-  g.v_base = base + kv.size(1) * g.row_bytes;
+  const Geometry g = geometry(kv, kind, page_size, num_kv_heads, q_heads, d, scales_offset,
+                              sm_scale);
   const int32_t* table = page_table.data_ptr<int32_t>();
   const int64_t width = page_table.size(1);
   const int32_t* lo = starts.data_ptr<int32_t>();
@@ -445,29 +514,13 @@ std::string decode(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
 
-  // jobs: runs of one sequence's tokens, about two per thread over the whole batch (each
-  // leaves a partial of q_heads x d floats that the merge reads: with eight a thread, that
-  // cost more than the finer balance gained)
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (hi[b] <= lo[b]) continue;
-    NS_REFUSE_UNLESS(b < page_table.size(0) && (hi[b] - 1) / page_size < width,
+  for (int64_t b = 0; b < batch; ++b)
+    NS_REFUSE_UNLESS(hi[b] <= lo[b] || (b < page_table.size(0) && (hi[b] - 1) / page_size < width),
                      "row ", b, " attends tokens past its page table");
-    total += hi[b] - lo[b];
-  }
   const int64_t threads = at::get_num_threads();
-  const int64_t want = 2 * threads;
-  int64_t chunk = std::max<int64_t>(64, (total + want - 1) / want);
-  chunk = (chunk + BLOCK - 1) / BLOCK * BLOCK;
-  struct Job { int64_t b, lo, hi; };
-  std::vector<Job> jobs;
-  std::vector<int64_t> first_job(batch + 1);
-  for (int64_t b = 0; b < batch; ++b) {
-    first_job[b] = static_cast<int64_t>(jobs.size());
-    for (int64_t t = lo[b]; t < hi[b]; t += chunk)
-      jobs.push_back({b, t, std::min<int64_t>(t + chunk, hi[b])});
-  }
-  first_job[batch] = static_cast<int64_t>(jobs.size());
+  const Jobs plan = split_jobs(lo, hi, batch, threads);
+  const std::vector<Job>& jobs = plan.jobs;
+  const std::vector<int64_t>& first_job = plan.first_job;
 
   JobFn fn = kind == BF16 ? run_job_generic<BF16> : kind == F16 ? run_job_generic<F16>
               : kind == F32 ? run_job_generic<F32> : run_job_generic<FP8>;
@@ -526,10 +579,11 @@ class ShareWorker {
  public:
   ShareWorker(torch::Tensor q, torch::Tensor o, torch::Tensor lse, torch::Tensor host_kv,
               torch::Tensor q_flags, torch::Tensor done_flags, int64_t kind, int64_t page_size,
-              int64_t num_kv_heads, int64_t scales_offset, double sm_scale, int64_t threads)
+              int64_t num_kv_heads, int64_t scales_offset, double sm_scale, int64_t threads,
+              bool warm)
       : q_(q), o_(o), lse_(lse), host_kv_(host_kv), kind_(kind), page_size_(page_size),
         kv_heads_(num_kv_heads), scales_offset_(scales_offset), sm_scale_(sm_scale),
-        threads_(threads) {
+        threads_(threads), warm_(warm) {
     if (!(q_flags.dtype() == torch::kInt32 && done_flags.dtype() == torch::kInt32 &&
           q_flags.numel() >= host_kv.size(0) && done_flags.numel() >= host_kv.size(0)))
       throw std::invalid_argument("flags: int32, one per streamed layer");  // not TORCH_CHECK
@@ -651,6 +705,13 @@ class ShareWorker {
       const int64_t rows = step.ends.numel();
       const int64_t tokens = step.ends.sum().item<int64_t>();
       torch::Tensor starts = torch::zeros({rows}, torch::kInt32);
+      const int32_t* ends = step.ends.data_ptr<int32_t>();
+      const int64_t width = step.table.size(1);
+      bool in_table = rows <= step.table.size(0);  // else the kernel refuses each layer
+      for (int64_t r = 0; r < rows && in_table; ++r)
+        in_table = ends[r] <= 0 || (ends[r] - 1) / page_size_ < width;
+      const Jobs plan = split_jobs(starts.data_ptr<int32_t>(), ends, in_table ? rows : 0,
+                                   at::get_num_threads());
       double worked = 0, between = 0, step_gap = 0;
       int64_t layer = 0;
       for (; layer < layers; ++layer) {
@@ -679,6 +740,13 @@ class ShareWorker {
         last_end = Clock::now();
         worked += seconds(t0, *last_end);
         __atomic_store_n(done_flags_ + layer, number, __ATOMIC_RELEASE);
+        if (warm_ && layer + 1 < layers) {
+          const int64_t next = layer + 1;
+          const Geometry g = geometry(host_kv_[next], kind_, page_size_, kv_heads_, q_.size(1),
+                                      q_.size(2), scales_offset_, sm_scale_);
+          warm(g, step.table.data_ptr<int32_t>(), width, plan,
+               at::get_num_threads(), [&] { return q_flag(next) == number; });
+        }
       }
       std::lock_guard<std::mutex> lock(mutex_);
       if (tokens > 0 && layer == layers)
@@ -694,6 +762,7 @@ class ShareWorker {
   int64_t kind_, page_size_, kv_heads_, scales_offset_;
   double sm_scale_;
   int64_t threads_;
+  bool warm_;  // pull the next layer's share toward the caches while waiting for its queries
   std::mutex mutex_;
   std::condition_variable wake_;
   std::map<int32_t, Step> steps_;
@@ -711,7 +780,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<ShareWorker>(m, "ShareWorker", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
-                          double, int64_t>())
+                          double, int64_t, bool>())
       .def("submit", &ShareWorker::submit)
       .def("drain", &ShareWorker::drain)
       .def("error", &ShareWorker::error)
