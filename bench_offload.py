@@ -310,6 +310,7 @@ def cpu_split_figures(runner) -> dict:
     if split is not None and split.fixed is None:
         out["cpu_kernel_GBps_in_run"] = split.cpu_rate / 1e9
         out["cpu_overhead_us_in_run"] = split.overhead * 1e6
+        out["link_GBps_in_run"] = split.link_now / 1e9
     if share.history:  # the decode steps' medians, per layer: kernel, host time between them
         gap, work, tokens, _ = (statistics.median(x) for x in zip(*share.history, strict=True))
         step_gaps = [h[3] for h in share.history if h[3] == h[3]]  # not the first step's nan
@@ -535,8 +536,9 @@ def print_table(rows: list[dict], ceil: dict) -> None:
         print("\nCPU attention (GB/s of host KV; the host's reads "
               f"{ceil.get('host_read_GBps', float('nan')):.0f} GB/s):")
         for r in split_rows:
-            run = (f", in the run {r['cpu_kernel_GBps_in_run']:.1f} GB/s and "
-                   f"{r['cpu_overhead_us_in_run']:.0f} us per layer besides"
+            run = (f", in the run CPU {r['cpu_kernel_GBps_in_run']:.1f} GB/s, link "
+                   f"{r['link_GBps_in_run']:.1f}, {r['cpu_overhead_us_in_run']:.0f} us per "
+                   "layer besides"
                    if "cpu_kernel_GBps_in_run" in r else "")
             print(f"  ctx {r['input_len']:>6} bs {r['batch']:>2} cpu={r['cpu_attention']}: probe "
                   f"CPU {r['cpu_probe_cpu_alone_GBps']:.1f} alone / "

@@ -22,18 +22,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# a layer's cycle against the time the link needs for its share: above, the CPU set the
-# pace; below, the link did, faster than thought; between, the host cannot tell
-PACED_BY_CPU, PACED_BY_LINK = 1.05, 0.9
+# a layer's cycle against the time the link needs for its share: above, the CPU set the pace
+PACED_BY_CPU = 1.05
 GAPS_KEPT = 9  # the overhead is the least of the last gaps of layers the CPU paced
-DECAY, DRIFT = 0.9, 0.98  # the overhead's estimate per step the link paced, clearly or not
+DRIFT = 0.98  # the overhead's estimate per step the CPU did not clearly pace
 
 
 @dataclass(frozen=True)
 class CpuSplit:
     fixed: float | None = None  # a fraction chosen by the user; else from the rates
     cpu_rate: float = 0.0  # bytes/s of host KV the CPU attends, with the link busy
-    link_rate: float = 0.0  # bytes/s the link moves, with the CPU attending
+    link_rate: float = 0.0  # bytes/s the link moves, with the CPU attending (the probe's)
+    link_seen: tuple[float, ...] = ()  # the last steps' link bytes per layer over their cycle
     overhead: float = 0.0  # seconds per layer the CPU's share waits besides its work
     calibrated_steps: int = 0  # decode steps whose figures refined the rates (calibrated)
     cpu_paced_gaps: tuple[float, ...] = ()  # the last gaps of layers the CPU paced
@@ -52,7 +52,7 @@ class CpuSplit:
         if self.fixed is not None:
             return self.fixed
         row_bytes = layer_bytes if row_bytes is None else row_bytes
-        link, cpu = layer_bytes / self.link_rate, row_bytes / self.cpu_rate
+        link, cpu = layer_bytes / self.link_now, row_bytes / self.cpu_rate
         if link + cpu <= 0:
             return 0.0
         return min(1.0, max(0.0, (link - self.overhead) / (link + cpu)))
@@ -63,29 +63,39 @@ class CpuSplit:
         kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next,
         while the link moved `link_bytes` per layer (measured split only).
 
-        The CPU's rate is the one just seen (averaged with the last). A layer's cycle, work
-        plus gap, is paced by the CPU or by the link, which runs layers ahead of the CPU.
-        Where the cycle is clearly longer than the link needs for its share (PACED_BY_CPU),
-        the CPU set the pace and the gap is all overhead: the estimate is the least of the
-        last such gaps (hiccups only lengthen a gap). Otherwise the gap may be waiting for the
-        link: the estimate decays, fast where the cycle is clearly shorter than the link's
-        time (PACED_BY_LINK), slowly near the balance, where the host cannot tell the two
-        apart; so more goes to the CPU until it sets the pace and is measured again. (An
-        estimate that fell to nothing near the balance drifted FP8 at 32K to 0.37 where 0.30
-        was best; one that stayed there, inflated, held bf16 at 0.34 where 0.45 was.)"""
+        The CPU's rate is the one just seen (averaged with the last). The link moves its
+        share within a layer's cycle (work plus gap), so its bytes over the cycle are a rate
+        it reached (`link_now`); the cycle is then never shorter than the link's time. Where
+        the cycle is clearly longer (PACED_BY_CPU), the CPU set the pace and the gap is all
+        overhead: the estimate is the least of the last such gaps (hiccups only lengthen a
+        gap). Otherwise the link may have set it, and the gap held a wait for it: the estimate
+        drifts down, so more goes to the CPU until it sets the pace and is measured again. (An
+        estimate that fell fast there drifted FP8 at 32K to 0.37 where 0.30 was best; one that
+        stayed, inflated, held bf16 at 0.34 where 0.45 was; a link priced at the probe's rate
+        beside the CPU, 45 GB/s where steps saw 53, took FP8's CPU-paced layers for link-paced
+        ones and gave the CPU 0.36.)"""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
-        link_time = link_bytes / self.link_rate if link_bytes else 0.0
+        seen = (*self.link_seen, link_bytes / cycle)[-GAPS_KEPT:] if link_bytes else self.link_seen
+        link_time = link_bytes / max((self.link_rate, *seen)) if link_bytes else 0.0
         overhead, gaps = self.overhead, self.cpu_paced_gaps
         if not link_bytes or cycle > PACED_BY_CPU * link_time:
             gaps = (*gaps, gap)[-GAPS_KEPT:]
             overhead = min(gaps)
         else:
-            overhead *= DECAY if cycle < PACED_BY_LINK * link_time else DRIFT
+            overhead *= DRIFT
         return replace(self, cpu_rate=rate if not self.calibrated_steps else
                        0.5 * (self.cpu_rate + rate), overhead=overhead, cpu_paced_gaps=gaps,
-                       calibrated_steps=self.calibrated_steps + 1)
+                       link_seen=seen, calibrated_steps=self.calibrated_steps + 1)
+
+    @property
+    def link_now(self) -> float:
+        """The link's rate the plan uses: the probe's, or more where a step saw more. The
+        link moves its share of a layer within the layer's cycle, so its bytes over the cycle
+        are a rate it reached, whoever set the pace (the probe's copies, smaller than a
+        step's loads, ran at 49-51 GB/s where FP8 steps at 32K saw 53)."""
+        return max((self.link_rate, *self.link_seen))
 
     @staticmethod
     def pages(fraction: float, full_pages: int) -> int:
@@ -96,12 +106,12 @@ class CpuSplit:
         """The fraction long contexts tend to."""
         if self.fixed is not None:
             return self.fixed
-        return self.cpu_rate / (self.cpu_rate + self.link_rate)
+        return self.cpu_rate / (self.cpu_rate + self.link_now)
 
     def describe(self) -> str:
         if self.fixed is not None:
             return f"CPU attention: {self.fixed:.0%} of each row's host KV ({self.why_fixed})"
         return (f"CPU attention: {self.limit:.0%} of each row's host KV at long contexts, less "
                 f"at short ones (CPU {self.cpu_rate / 1e9:.1f} GB/s and link "
-                f"{self.link_rate / 1e9:.1f} GB/s while both run, "
+                f"{self.link_now / 1e9:.1f} GB/s while both run, "
                 f"{self.overhead * 1e6:.0f} us per layer besides)")

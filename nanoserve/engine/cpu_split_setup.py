@@ -134,11 +134,12 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
     share.o.zero_()
     share.lse.fill_(-torch.inf)
     share.cleared = True
-    # the link's rate beside the CPU: lower than in a step (the probe's CPU reads with every
-    # thread), which puts a little more on the CPU than is best; a rate too high is worse:
-    # layers the link slowed count as CPU-paced, their waits as overhead, and the fraction can
-    # fall to nothing, where nothing is measured any more (CpuSplit.calibrated)
-    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, overhead=overhead)
+    # the link's rate alone: in a step the CPU reads for part of each layer only, and steps
+    # saw more than either probe figure (the plan then takes theirs, CpuSplit.link_now);
+    # the rate beside the CPU left the plan thinking the link slow, and the layers the CPU
+    # paced looking link-paced, so the overhead's estimate decayed and the CPU got too much
+    split = CpuSplit(cpu_rate=cpu_both, link_rate=max(link_alone, link_both),
+                     overhead=overhead)
     share.probe = {"pages": pages, "threads": threads,
                    "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},
                    "cpu_alone_GBps": cpu_alone / 1e9, "cpu_both_GBps": cpu_both / 1e9,
