@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# a layer's cycle against the time the link needs for its share: above, the CPU set the pace
-PACED_BY_CPU = 1.05
+# a layer's cycle against the time the link needs for its share at its rate beside the CPU:
+# above, the CPU set the pace; below, the link did, faster than thought; between, the host
+# cannot tell
+PACED_BY_CPU, PACED_BY_LINK = 1.05, 0.9
 GAPS_KEPT = 9  # the overhead is the least of the last gaps of layers the CPU paced
-DRIFT = 0.98  # the overhead's estimate per step the CPU did not clearly pace
+DECAY, DRIFT = 0.9, 0.98  # the overhead's estimate per step the link paced, clearly or not
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class CpuSplit:
     fixed: float | None = None  # a fraction chosen by the user; else from the rates
     cpu_rate: float = 0.0  # bytes/s of host KV the CPU attends, with the link busy
     link_rate: float = 0.0  # bytes/s the link moves, with the CPU attending (the probe's)
+    link_alone: float = 0.0  # the probe's rate of the link alone
     link_seen: tuple[float, ...] = ()  # the last steps' link bytes per layer over their cycle
     overhead: float = 0.0  # seconds per layer the CPU's share waits besides its work
     calibrated_steps: int = 0  # decode steps whose figures refined the rates (calibrated)
@@ -63,39 +66,43 @@ class CpuSplit:
         kernel on `cpu_bytes` of KV and `gap` seconds between one layer's kernel and the next,
         while the link moved `link_bytes` per layer (measured split only).
 
-        The CPU's rate is the one just seen (averaged with the last). The link moves its
-        share within a layer's cycle (work plus gap), so its bytes over the cycle are a rate
-        it reached (`link_now`); the cycle is then never shorter than the link's time. Where
-        the cycle is clearly longer (PACED_BY_CPU), the CPU set the pace and the gap is all
-        overhead: the estimate is the least of the last such gaps (hiccups only lengthen a
-        gap). Otherwise the link may have set it, and the gap held a wait for it: the estimate
-        drifts down, so more goes to the CPU until it sets the pace and is measured again. (An
-        estimate that fell fast there drifted FP8 at 32K to 0.37 where 0.30 was best; one that
-        stayed, inflated, held bf16 at 0.34 where 0.45 was; a link priced at the probe's rate
-        beside the CPU, 45 GB/s where steps saw 53, took FP8's CPU-paced layers for link-paced
-        ones and gave the CPU 0.36.)"""
+        The CPU's rate is the one just seen (averaged with the last). A layer's cycle, work
+        plus gap, is paced by the CPU or by the link, which runs layers ahead of the CPU.
+        Where the cycle is clearly longer than the link needs for its share at its rate beside
+        the CPU (PACED_BY_CPU), the CPU set the pace and the gap is all overhead: the estimate
+        is the least of the last such gaps (hiccups only lengthen a gap). Otherwise the gap
+        may be waiting for the link: the estimate decays, fast where the cycle is clearly
+        shorter than the link's time (PACED_BY_LINK), slowly near the balance, where the host
+        cannot tell the two apart; so more goes to the CPU until it sets the pace and is
+        measured again. (An estimate that fell to nothing near the balance drifted FP8 at 32K
+        to 0.37 where 0.30 was best; one that stayed there, inflated, held bf16 at 0.34 where
+        0.45 was; a link priced at its probe's alone rate, 53 GB/s, where bf16's steps beside
+        the CPU ran slower, took link-paced layers for CPU-paced ones, and their waits for
+        overhead: 413 us, holding bf16 at 0.28.) The plan itself prices the link at the rate
+        steps reached (`link_now`)."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
         seen = (*self.link_seen, link_bytes / cycle)[-GAPS_KEPT:] if link_bytes else self.link_seen
-        link_time = link_bytes / max((self.link_rate, *seen)) if link_bytes else 0.0
+        link_time = link_bytes / self.link_rate if link_bytes else 0.0
         overhead, gaps = self.overhead, self.cpu_paced_gaps
         if not link_bytes or cycle > PACED_BY_CPU * link_time:
             gaps = (*gaps, gap)[-GAPS_KEPT:]
             overhead = min(gaps)
         else:
-            overhead *= DRIFT
+            overhead *= DECAY if cycle < PACED_BY_LINK * link_time else DRIFT
         return replace(self, cpu_rate=rate if not self.calibrated_steps else
                        0.5 * (self.cpu_rate + rate), overhead=overhead, cpu_paced_gaps=gaps,
                        link_seen=seen, calibrated_steps=self.calibrated_steps + 1)
 
     @property
     def link_now(self) -> float:
-        """The link's rate the plan uses: the probe's, or more where a step saw more. The
-        link moves its share of a layer within the layer's cycle, so its bytes over the cycle
-        are a rate it reached, whoever set the pace (the probe's copies, smaller than a
-        step's loads, ran at 49-51 GB/s where FP8 steps at 32K saw 53)."""
-        return max((self.link_rate, *self.link_seen))
+        """The link's rate the plan uses: the most of the probe's and of the last steps'.
+        The link moves its share of a layer within the layer's cycle, so its bytes over the
+        cycle are a rate it reached, whoever set the pace (FP8 steps at 32K saw 53 GB/s where
+        the probe saw 49-51 alone and 45 beside the CPU, whose reads it shares all the time
+        where a step's CPU reads for part of each layer)."""
+        return max((self.link_rate, self.link_alone, *self.link_seen))
 
     @staticmethod
     def pages(fraction: float, full_pages: int) -> int:

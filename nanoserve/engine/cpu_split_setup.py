@@ -134,11 +134,8 @@ def measure_split(share: CpuShare, kv: KVManager) -> CpuSplit:
     share.o.zero_()
     share.lse.fill_(-torch.inf)
     share.cleared = True
-    # the link's rate alone: in a step the CPU reads for part of each layer only, and steps
-    # saw more than either probe figure (the plan then takes theirs, CpuSplit.link_now);
-    # the rate beside the CPU left the plan thinking the link slow, and the layers the CPU
-    # paced looking link-paced, so the overhead's estimate decayed and the CPU got too much
-    split = CpuSplit(cpu_rate=cpu_both, link_rate=max(link_alone, link_both),
+    # classified by the link's rate beside the CPU, planned at the rate steps reach
+    split = CpuSplit(cpu_rate=cpu_both, link_rate=link_both, link_alone=link_alone,
                      overhead=overhead)
     share.probe = {"pages": pages, "threads": threads,
                    "threads_tried_GBps": {n: r / 1e9 for n, r in by_threads.items()},
