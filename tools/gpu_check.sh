@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; REPS and
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
@@ -78,6 +78,12 @@ for w in $what; do
       run $B --input-len ${SPLIT_LENS:-32768} --batch-size ${SPLIT_BATCH:-1} --offload-graph \
         --cpu-attention ${SPLIT_CPU:-off,auto} --kv-cache-dtype ${SPLIT_KV:-auto} \
         --out "$OUT/split-${SPLIT_KV:-auto}-b${SPLIT_BATCH:-1}" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -24 ;;
+    onem)  # issue 34: ONEM_LEN tokens (default 1M) of the 1M Llama shape, FP8 KV resident on
+           # one GPU (a 4K row first: the warm-up runs at the shortest length). Over 10 minutes
+           # at 1M: start it with setsid, OUT outside the repo, and follow its log
+      run python3 bench_offload.py --model Llama-3-8B-1048k --input-len 4096,${ONEM_LEN:-1048576} \
+        --output-len 16 --resident-graph --kv-cache-dtype fp8 --out "$OUT/onem" 2>&1 \
+        | grep -v -E "(it|tok)/s\]" | tail -12 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
         for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous
