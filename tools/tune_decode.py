@@ -8,6 +8,7 @@ also tried with its dots transposed (Tiles.transposed). FP8's default at the Qwe
 both ways:
     python tools/tune_decode.py --dtypes fp8 --block-n 128 --warps 4 --stages 2 --f16-dot \
         --transposed
+`--f16-dot only` / `--transposed only` try those forms alone.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--mults", default="1,2", help="multiples of the default split count, "
                     "rounded (0: one split, which writes the output itself with no merge)")
-    ap.add_argument("--f16-dot", action="store_true", help="FP8: also try float16 dots")
+    ap.add_argument("--f16-dot", nargs="?", const="also", choices=["also", "only"],
+                    help="FP8: also (or only) try float16 dots")
     ap.add_argument("--tma", action="store_true",
                     help="also try K/V tiles through TMA descriptors (Tiles.tma)")
-    ap.add_argument("--transposed", action="store_true",
-                    help="also try the dots transposed: scores [tokens, group] (Tiles.transposed)")
+    ap.add_argument("--transposed", nargs="?", const="also", choices=["also", "only"],
+                    help="also (or only) try the dots transposed: scores [tokens, group] "
+                    "(Tiles.transposed)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -73,10 +76,11 @@ def main() -> None:
     if args.tma:  # PAGE (256) is a multiple of every block_n tried
         base += [t._replace(tma=True) for t in base]
     if args.transposed:
-        base += [t._replace(transposed=True) for t in base]
+        base = [t._replace(transposed=True) for t in base] + \
+            (base if args.transposed == "also" else [])
+    f16 = [t._replace(f16_dot=True) for t in base if t.block_n >= 64 and args.f16_dot]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
-              "fp8": (FP8, "fp8", base + [t._replace(f16_dot=True) for t in base
-                                          if t.block_n >= 64 and args.f16_dot])}
+              "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []))}
     for key in args.dtypes.split(","):
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):
