@@ -93,6 +93,51 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     assert rel < 1e-2, f"relative error {rel}"
 
 
+@pytest.mark.parametrize("ctx", [131072, 1048576])
+def test_triton_decode_fp8_at_128k_and_1m_against_float64(ctx):
+    """The engine's FP8 decode (default tiles, its split count for the context) over one
+    context of 128K and of 1M tokens (2.2 GB of one layer's K and V, offsets past 2^31 bytes
+    of the layer's cache), three queries on it, against float64 on the dequantized values.
+    Unit-scale K/V and queries spread the softmax over every token: the sums run over the
+    whole context, not a few dominant tokens."""
+    from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(ctx % 9973)
+    kv_heads, heads, d, page_size, rows = 8, 32, 128, 256, 3
+    pages = ctx // page_size
+    spec = KVSpec(1, page_size, kv_heads, d, FP8)
+    kv = spec.empty(1, pages + 1, torch.device("cuda"))
+    k, v, k_scale, v_scale = spec.views(kv[0])
+    for values, scales in ((k, k_scale), (v, v_scale)):
+        for lo in range(0, pages + 1, 512):  # quantized in pieces: float32 temporaries
+            x = torch.randn((min(512, pages + 1 - lo), page_size, kv_heads, d), device="cuda",
+                            generator=gen)
+            qv, qs = quantize(x)
+            values[lo:lo + len(x)].view(torch.uint8).copy_(qv.view(torch.uint8))
+            scales[lo:lo + len(x)].copy_(qs)
+    order = (torch.randperm(pages, device="cuda", generator=gen) + 1).int()
+    table = order.expand(rows, pages).contiguous()
+    lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, heads, d, device="cuda", generator=gen).bfloat16()
+    scale = d**-0.5
+    splits = num_splits_for(rows, kv_heads, ctx,
+                            torch.cuda.get_device_properties(0).multi_processor_count)
+    out = paged_decode_attention(q, k, v, table, lens, scale, splits, k_scale=k_scale,
+                                 v_scale=v_scale)
+    group = heads // kv_heads
+    ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    for h in range(kv_heads):  # one kv head at a time: 1M x 128 float64 is 1 GB
+        kh = dequantize(k[order.long(), :, h], k_scale[order.long(), :, h], torch.float64)
+        vh = dequantize(v[order.long(), :, h], v_scale[order.long(), :, h], torch.float64)
+        qh = q[:, h * group:(h + 1) * group].double()
+        p = (torch.einsum("rgd,nd->rgn", qh, kh.flatten(0, 1)) * scale).softmax(-1)
+        ref[:, h * group:(h + 1) * group] = torch.einsum("rgn,nd->rgd", p, vh.flatten(0, 1))
+        del kh, vh, p
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(out).all()
+    assert rel < 1e-2, f"relative error {rel}"
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_triton_decode_fp8_under_an_fp32_query_is_tight(transposed):
     from nanoserve.attention.triton_decode import TILES, paged_decode_attention
