@@ -658,9 +658,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=["auto", *KV_CACHE_DTYPES],
                     help="KV cache dtype of every nanoserve mode (fp8: e4m3 with per-token "
                          "scales; the floors count its bytes); transformers keeps bf16")
-    ap.add_argument("--cpu-attention", type=lambda t: t.split(","), default=["off"],
+    ap.add_argument("--cpu-attention", type=lambda t: t.split(","),
+                    default=[config_default("cpu_attention")],
                     help="offload modes: the CPU attends a share of each streamed layer's host "
-                    "KV (off, auto or a fraction; a comma list runs each); the table's cpu "
+                    "KV (auto, off or a fraction; a comma list runs each); the table's cpu "
                     "column is the share of host KV bytes on the CPU, and the PCIe floor "
                     "counts every host byte, the CPU's too")
     ap.add_argument("--resident-layers", type=int, default=0,

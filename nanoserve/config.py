@@ -100,11 +100,12 @@ class EngineConfig:
     resident_layers: int | None = _field(None, "With offload: force this many layers resident "
                                          "(the rest stream) instead of as many as the GPU "
                                          "budget holds.", min=0)
-    cpu_attention: str = _field("off", "With offload, in decode: the CPU attends a share of "
+    cpu_attention: str = _field("auto", "With offload, in decode: the CPU attends a share of "
                                 "each streamed layer's host KV straight from host memory while "
                                 "the rest crosses the link, exactly (the two merge by "
-                                "log-sum-exp). off; auto (the share from this host's CPU and "
-                                "link rates, measured at start); or a fraction in [0, 1].")
+                                "log-sum-exp). auto: the share from this host's CPU and link "
+                                "rates, measured at start (off on a CPU device and with the "
+                                "flash backend); off; or a fraction in [0, 1].")
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -140,7 +141,7 @@ class EngineConfig:
         check(self.cpu_attention in ("off", "auto") or _fraction(self.cpu_attention) is not None,
               f"cpu_attention must be off, auto or a fraction in [0, 1], got "
               f"{self.cpu_attention!r}")
-        check(self.cpu_attention == "off" or self.attention_backend != "flash",
+        check(self.cpu_attention in ("off", "auto") or self.attention_backend != "flash",
               "cpu_attention: the flash attention backend cannot merge a CPU share; use "
               "attention_backend triton or auto")
         check(self.moe_backend in MOE_BACKENDS, f"moe_backend must be one of {MOE_BACKENDS}")

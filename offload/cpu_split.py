@@ -41,7 +41,6 @@ class CpuSplit:
     overhead: float = 0.0  # seconds per layer the CPU's share waits besides its work
     calibrated_steps: int = 0  # decode steps whose figures refined the rates (calibrated)
     cpu_paced_gaps: tuple[float, ...] = ()  # the last gaps of layers the CPU paced
-    why_fixed: str = "fixed"  # said beside a fixed fraction
 
     def __post_init__(self) -> None:
         if self.fixed is not None and not 0.0 <= self.fixed <= 1.0:
@@ -120,7 +119,7 @@ class CpuSplit:
 
     def describe(self) -> str:
         if self.fixed is not None:
-            return f"CPU attention: {self.fixed:.0%} of each row's host KV ({self.why_fixed})"
+            return f"CPU attention: {self.fixed:.0%} of each row's host KV (fixed)"
         return (f"CPU attention: {self.limit:.0%} of each row's host KV at long contexts, less "
                 f"at short ones (CPU {self.cpu_rate / 1e9:.1f} GB/s and link "
                 f"{self.link_now / 1e9:.1f} GB/s while both run, "

@@ -16,8 +16,10 @@ from nanoserve.engine.sequence import Sequence
 def make_llm(path, **kw) -> LLM:
     """The tests' LLM: a local model (None: the embedded one), no progress bars, 4-token pages
     (many page boundaries in short prompts), on the CPU in float32 unless the test asks for
-    another device."""
+    another device; offload through the link alone unless the test names a CPU attention
+    setting (auto, the default, splits on a GPU: its tests name it)."""
     kw.setdefault("page_size", 4)
+    kw.setdefault("cpu_attention", "off")
     kw.setdefault("device", "cpu")
     if kw["device"] == "cpu":
         kw.setdefault("dtype", "float32")
@@ -98,13 +100,14 @@ def corrupt_host_scales(engine, layer: int, pages: list[int], value: float) -> N
 
 def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
     """GPU: the Qwen3-8B shape with dummy weights; a 32K prompt's 8 greedy tokens through a GPU
-    KV budget too small for its KV (some layers streamed) equal the resident engine's."""
+    KV budget too small for its KV (some layers streamed) equal the resident engine's (the
+    link alone unless kw names a CPU attention setting)."""
     from conftest import random_prompts
 
     prompt = random_prompts(1, [32768], vocab=151936, seed=11)[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     common = dict(dummy_weights=True, max_model_len=32768 + 16, max_num_seqs=1, progress=False,
-                  **kw)
+                  **{"cpu_attention": "off", **kw})
     resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0].token_ids
     gc.collect()
     torch.cuda.empty_cache()

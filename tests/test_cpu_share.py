@@ -209,13 +209,23 @@ def test_cpu_attention_setting():
     for bad in ("1.5", "-0.1", "nan", "half"):
         with pytest.raises(ValueError, match="cpu_attention"):
             EngineConfig(cpu_attention=bad)
+    # the flash backend merges no CPU share: a fraction is refused, auto (the default) is off
+    assert EngineConfig(attention_backend="flash").cpu_attention == "auto"
+    with pytest.raises(ValueError, match="cannot merge a CPU share"):
+        EngineConfig(attention_backend="flash", cpu_attention="0.3")
 
 
-def test_auto_on_a_cpu_device_is_half(six_layer_dir):
-    llm = offload(six_layer_dir, "auto")
+def test_auto_is_the_default_and_off_on_a_cpu_device(six_layer_dir):
+    """auto, the default, measures a split on a GPU; on a CPU device there is no link for
+    the CPU to work beside, so it is off there (a fraction still splits, for tests)."""
+    assert EngineConfig().cpu_attention == "auto"
+    auto = offload(six_layer_dir, "auto")
+    assert auto.engine.runner.cpu_share is None and auto.engine.runner.cpu_split is None
+    assert "CPU attention" not in auto.engine.describe_memory()
+    del auto
+    llm = offload(six_layer_dir, "0.5")
     assert llm.engine.runner.cpu_split.fixed == 0.5
-    assert "CPU attention: 50% of each row's host KV (auto on a CPU device" in \
-        llm.engine.describe_memory()
+    assert "CPU attention: 50% of each row's host KV (fixed)" in llm.engine.describe_memory()
     kv = llm.engine.kv
     line = describe_streamed(kv, 3 * kv.plan.streamed_layers * kv.plan.layer_page_bytes, 1,
                              cpu_tokens=5 * 4)

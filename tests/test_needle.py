@@ -294,7 +294,7 @@ def test_needle_32k_gpu(mode, kv_cache_dtype):
 @pytest.mark.gpu
 def test_shared_haystack_32k_gpu():
     common = dict(progress=False, max_model_len=32768 + 32, max_num_seqs=4,
-                  enable_offload=True, resident_layers=2)
+                  enable_offload=True, resident_layers=2, cpu_attention="off")
     check_shared_haystack(LLM(**common), LLM(enable_prefix_caching=False, **common), 32768)
 
 
@@ -302,7 +302,7 @@ def test_shared_haystack_32k_gpu():
 def test_needle_32k_equals_transformers_gpu():
     transformers = pytest.importorskip("transformers")
     llm = LLM(progress=False, max_model_len=32768 + 32, max_num_seqs=1, enable_offload=True,
-              resident_layers=2)
+              resident_layers=2, cpu_attention="off")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         llm.engine.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     eos = llm.tokenizer.eos_token_id

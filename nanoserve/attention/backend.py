@@ -21,6 +21,7 @@ class AttentionBackend(ABC):
 
     name: str
     supports_graphs: bool = False
+    merges_cpu_share: bool = True  # decode_partial and merge_decode exist (CPU attention)
 
     def configure(self, num_kv_heads: int, max_len: int) -> None:
         """Model facts the backend sizes its metadata by; called once by the model runner."""

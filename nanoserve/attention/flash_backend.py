@@ -27,6 +27,7 @@ class FlashPrefillMetadata(AttentionMetadata):
 class FlashBackend(AttentionBackend):
     name = "flash"
     supports_graphs = True
+    merges_cpu_share = False
 
     def configure(self, num_kv_heads: int, max_len: int) -> None:
         pass

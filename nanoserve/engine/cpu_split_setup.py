@@ -25,11 +25,14 @@ PROBE_TOKENS = 32768  # host KV the rates are measured over (fewer where the sto
 
 
 def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads: int,
-                    head_dim: int, scale: float, max_rows: int
+                    head_dim: int, scale: float, max_rows: int, can_merge: bool = True
                     ) -> tuple[CpuShare | None, CpuSplit | None]:
     """The share and split for the `cpu_attention` setting (off, auto, a fraction); None,
-    None when it is off or nothing streams."""
+    None when it is off or nothing streams, and for `auto` where a share cannot help: on a
+    CPU device (no link to beside) or with a backend that cannot merge one (can_merge)."""
     if setting == "off" or kv.streamer is None:
+        return None, None
+    if setting == "auto" and (kv.device.type != "cuda" or not can_merge):
         return None, None
     device = kv.device
     if device.type == "cuda" and tp_size() > 1:  # the ranks share this host's cores
@@ -45,9 +48,7 @@ def build_cpu_share(setting: str, fixed: float | None, kv: KVManager, num_heads:
                         "kernel here): slower than a thread of its own")
         if fixed is None:
             return share, measured
-    if fixed is not None:
-        return share, CpuSplit(fixed=fixed)
-    return share, CpuSplit(fixed=0.5, why_fixed="auto on a CPU device: no link to measure")
+    return share, CpuSplit(fixed=fixed)
 
 
 def _median_time(fn, repeat: int) -> float:

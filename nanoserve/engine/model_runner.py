@@ -100,7 +100,7 @@ class ModelRunner:
         attn = model.attention_layers[0]
         self.cpu_share, self.cpu_split = build_cpu_share(
             cfg.cpu_attention, cfg.cpu_attention_fraction, self.kv, attn.num_heads,
-            attn.head_dim, attn.scale, cfg.max_num_seqs)
+            attn.head_dim, attn.scale, cfg.max_num_seqs, self.backend.merges_cpu_share)
         self.inputs = StepInputBuilder(cfg.page_size, self.device,
                                        self.kv.tail_row if streaming else None,
                                        self.cpu_split, spec.page_bytes(1))
