@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; REPS and
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
 set -uo pipefail
@@ -24,8 +24,9 @@ run() { echo "=== $*"; timeout -s ABRT "${STEP_TIMEOUT:-0}" "$@"; echo "=== rc=$
 B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
-    tests)  # one H200: 461 s in session 12 (STEP_TIMEOUT=575, a call of its own)
-      run python3 -m pytest -q -m gpu tests -p no:cacheprovider -s --durations=30 2>&1 \
+    tests)  # one H200: 567 s in session 18 (STEP_TIMEOUT=575, a call of its own; near the
+            # limit: GPU_TESTS="tests/test_gpu_*.py" and "tests/test_[a-f]*.py ..." split it)
+      run python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
       run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py \
