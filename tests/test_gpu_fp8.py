@@ -15,6 +15,7 @@ from helpers import assert_32k_offload_equals_resident, make_gpu_llm
 from test_gpu_kernels import reference_decode
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.attention import cuda_fp8_decode
 from nanoserve.attention.backend import store_fp8_kv
 from nanoserve.kv.fp8 import dequantize, quantize
 from nanoserve.kv.fp8_format import FP8
@@ -83,7 +84,7 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
-    tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma, transposed=transposed)
+    tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma, transposed=transposed, cuda=False)
     out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
                                  v_scale=v_scale, tiles=tiles)
     ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
@@ -93,14 +94,16 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     assert rel < 1e-2, f"relative error {rel}"
 
 
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "triton"])
 @pytest.mark.parametrize("ctx", [131072, 1048576])
-def test_triton_decode_fp8_at_128k_and_1m_against_float64(ctx):
-    """The engine's FP8 decode (default tiles, its split count for the context) over one
+def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
+    """The engine's FP8 decode (default tiles, the CUDA kernel and Triton's, the engine's split
+    count for the context) over one
     context of 128K and of 1M tokens (2.2 GB of one layer's K and V, offsets past 2^31 bytes
     of the layer's cache), three queries on it, against float64 on the dequantized values.
     Unit-scale K/V and queries spread the softmax over every token: the sums run over the
     whole context, not a few dominant tokens."""
-    from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
+    from nanoserve.attention.triton_decode import TILES, num_splits_for, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(ctx % 9973)
     kv_heads, heads, d, page_size, rows = 8, 32, 128, 256, 3
@@ -122,8 +125,10 @@ def test_triton_decode_fp8_at_128k_and_1m_against_float64(ctx):
     scale = d**-0.5
     splits = num_splits_for(rows, kv_heads, ctx,
                             torch.cuda.get_device_properties(0).multi_processor_count)
+    if cuda and not cuda_fp8_decode.available(q, k, page_size):
+        pytest.skip("the CUDA FP8 kernel does not build or run here")
     out = paged_decode_attention(q, k, v, table, lens, scale, splits, k_scale=k_scale,
-                                 v_scale=v_scale)
+                                 v_scale=v_scale, tiles=TILES["fp8"]._replace(cuda=cuda))
     group = heads // kv_heads
     ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
     for h in range(kv_heads):  # one kv head at a time: 1M x 128 float64 is 1 GB
@@ -136,6 +141,57 @@ def test_triton_decode_fp8_at_128k_and_1m_against_float64(ctx):
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all()
     assert rel < 1e-2, f"relative error {rel}"
+
+
+@pytest.mark.parametrize("lens", [[1], [7], [31], [33], [300], [4096], [32768],
+                                  [1, 5000, 77], [2048] * 16, [40000, 3, 900, 12000]])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8), (32, 2)])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, page_size):
+    """The CUDA kernel (csrc/fp8_decode.cu) against float64 on the dequantized values, with
+    the Triton kernel's bound: groups of 4, 7, 1 and 16 (its two row halves), pages of 16 and
+    256 tokens, lengths that end mid-tile and mid-page (NaN bytes past each context), rows
+    of mixed lengths; its partials merged by Triton's stage 2, and over [start, length) as
+    the CPU split asks (the first `start` tokens left out, compared with float64 on the
+    rest)."""
+    from nanoserve.attention.triton_decode import (
+        TILES,
+        decode_partials,
+        merge_partials,
+        num_splits_for,
+        paged_decode_attention,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(len(lens) * 1000 + heads + page_size)
+    d = 128
+    k, v, k_scale, v_scale, table, lens_t = paged_fp8(lens, kv_heads, d, page_size, gen)
+    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
+    if not cuda_fp8_decode.available(q, k, page_size):
+        pytest.skip("the CUDA FP8 kernel does not build or run here")
+    scale = d**-0.5
+    splits = num_splits_for(len(lens), kv_heads, 131072, 132)
+    tiles = TILES["fp8"]._replace(cuda=True)
+    out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
+                                 v_scale=v_scale, tiles=tiles)
+    k64 = dequantize.eager(k, k_scale, torch.float64)
+    v64 = dequantize.eager(v, v_scale, torch.float64)
+    ref = reference_decode(q, k64, v64, table, lens_t, scale)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    # from a start: tokens [start, length), against float64 over the same tokens
+    starts = (lens_t // 3).int()
+    parts = decode_partials(q, k, v, table, lens_t, scale, splits, starts, k_scale=k_scale,
+                            v_scale=v_scale, tiles=tiles)
+    tail = merge_partials(parts, torch.empty_like(q))
+    for row, (s0, n) in enumerate(zip(starts.tolist(), lens, strict=True)):
+        if s0 == n:
+            continue
+        pages = table[row, :(n + page_size - 1) // page_size].long()
+        kr = k64[pages].flatten(0, 1)[s0:n].repeat_interleave(heads // kv_heads, 1)
+        vr = v64[pages].flatten(0, 1)[s0:n].repeat_interleave(heads // kv_heads, 1)
+        p = (torch.einsum("hd,nhd->hn", q[row].double(), kr) * scale).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", p, vr)
+        assert ((tail[row].double() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -8,7 +8,7 @@ also tried with its dots transposed (Tiles.transposed). FP8's default at the Qwe
 both ways:
     python tools/tune_decode.py --dtypes fp8 --block-n 128 --warps 4 --stages 2 --f16-dot \
         --transposed
-`--f16-dot only` / `--transposed only` try those forms alone.
+`--f16-dot only` / `--transposed only` try those forms alone; `--cuda` adds FP8's CUDA kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import triton
 
 from nanoserve.attention.triton_decode import (
+    TILES,
     Tiles,
     default_tiles,
     num_splits_for,
@@ -66,6 +67,9 @@ def main() -> None:
     ap.add_argument("--transposed", nargs="?", const="also", choices=["also", "only"],
                     help="also (or only) try the dots transposed: scores [tokens, group] "
                     "(Tiles.transposed)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="FP8: also time the CUDA kernel (Tiles.cuda; its tile is fixed, the "
+                    "split multiples apply)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -80,7 +84,8 @@ def main() -> None:
             (base if args.transposed == "also" else [])
     f16 = [t._replace(f16_dot=True) for t in base if t.block_n >= 64 and args.f16_dot]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
-              "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []))}
+              "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []) +
+                      ([TILES["fp8"]._replace(split_factor=1)] if args.cuda else []))}
     for key in args.dtypes.split(","):
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanoserve.attention import cuda_fp8_decode
+
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
 
@@ -57,6 +59,7 @@ class Tiles(NamedTuple):
     split_factor: int = 1
     tma: bool = False  # K/V tiles through TMA descriptors (async copies to shared memory)
     transposed: bool = False  # scores [tokens, group], accumulator [head_dim, group]
+    cuda: bool = False  # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it runs
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -69,7 +72,7 @@ class Tiles(NamedTuple):
 # points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots). Transposed
 # dots: FP8 and batched bf16 (module docstring).
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
-         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2, transposed=True),
+         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
 SMALL_BATCH = 8
 
@@ -343,6 +346,10 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     # one split stores no log-sum-exp: nothing to allocate
     mid_lse = mid_o if direct else \
         torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    if scaled and tiles.cuda and not direct and cuda_fp8_decode.available(q, k_cache, page_size):
+        cuda_fp8_decode.decode_partials(q, k_cache, v_cache, k_scale, v_scale, page_tables,
+                                        context_lens, scale, starts, mid_o, mid_lse)
+        return Partials(mid_o, mid_lse)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     f16_dot = scaled and tiles.f16_dot and q.dtype != torch.float32  # float32 q: float32 dots

@@ -1,0 +1,315 @@
+// Split-KV decode attention over a paged FP8 (e4m3, one float32 scale per token and kv head)
+// cache on tensor cores, for head_dim 128 and GQA groups of up to 16: stage 1 of
+// attention/triton_decode.py (same partial outputs and log-sum-exps, merged by its stage 2),
+// written by hand because the Triton kernel stays at 1.5-1.7x its memory floor at every tile
+// setting (docs/perf-notes.md, session 18).
+//
+// Block (sequence b, kv head h, split s): 4 warps, each taking every fourth 32-token tile of
+// the split; the warps' partials merge in shared memory at the end. Everything a tile needs
+// goes from global memory straight into registers in the layout of an m16n8k16 MMA
+// fragment, so no shared memory or layout shuffles sit between the loads and the MMAs:
+// - scores S = Q.K^T [16 (the group, padded), 8 tokens] per MMA: K is the B operand, whose
+//   fragment gives lane (g = lane / 4, j = lane % 4) token g of the 8 and four values of the
+//   MMA's k (head_dim) slice. A dot is a sum over head_dim in any order, so k-step t's
+//   values for lane j are taken as head_dim [32j + 4t, 32j + 4t + 4): over the 8 k-steps a
+//   lane reads its token's 32 contiguous bytes, two 16-byte loads. Q's A fragment uses the
+//   same order (loaded once).
+// - the accumulator of two such MMAs (16 tokens) is, element for element, the A fragment of
+//   O += P.V [16, 8 columns of head_dim] (FlashAttention-2's register reuse); V is its B
+//   operand: lane (g, j) holds tokens 2j, 2j+1, 2j+8, 2j+9 at one column, so output column n
+//   of MMA i is taken as head_dim 16n + i: a lane reads 16 contiguous bytes of each of its 4
+//   tokens and pairs their bytes with byte permutes.
+// e4m3 converts to float16 exactly, two values an instruction (cvt.rn.f16x2.e4m3x2, sm_89+).
+// K's scale multiplies the score; V's multiplies the probability, relative to the tile's
+// largest V scale (the output is kept in units of it), so p x scale stays in float16's range.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "fp8_decode.h"
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int TILE = FP8_DECODE_TILE;
+constexpr int D = FP8_DECODE_HEAD_DIM;
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  uint32_t out;
+  const uint16_t in = static_cast<uint16_t>(two);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(in));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t permute(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load16(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ float q_value(const Fp8DecodeParams& p, int64_t at) {
+  if (p.q_bf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p.q)[at]);
+  return __half2float(static_cast<const __half*>(p.q)[at]);
+}
+
+// UPPER: the group has more than 8 heads, so the MMA rows g + 8 are heads too
+template <bool UPPER>
+__global__ void __launch_bounds__(WARPS * 32)
+fp8_decode_split_kernel(const Fp8DecodeParams p) {
+  const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, j = lane % 4;
+  const int ctx = p.context_lens[b];
+  const int start = p.starts != nullptr ? p.starts[b] : 0;
+  const int num_tiles = (ctx + TILE - 1) / TILE;
+  const int first_tile = start / TILE;
+  const int per_split = (num_tiles - first_tile + p.num_splits - 1) / p.num_splits;
+  const int tile_lo = first_tile + s * per_split;
+  const int tile_hi = min(tile_lo + per_split, num_tiles);
+  const int32_t* table = p.page_table + b * p.stride_pt;
+  const int page_mask = (1 << p.page_shift) - 1;
+
+  // Q's A fragments: rows g (and g + 8), head_dim in the order described above
+  uint32_t qa[8][4];
+  {
+    float row[2][32];
+    for (int r = 0; r < 2; ++r) {
+      const int head = g + 8 * r;
+      const bool real = head < p.group && (r == 0 || UPPER);
+      const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 32 * j;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) row[r][i] = real ? q_value(p, at + i) : 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      qa[t][0] = pack_f16(row[0][4 * t], row[0][4 * t + 1]);
+      qa[t][1] = pack_f16(row[1][4 * t], row[1][4 * t + 1]);
+      qa[t][2] = pack_f16(row[0][4 * t + 2], row[0][4 * t + 3]);
+      qa[t][3] = pack_f16(row[1][4 * t + 2], row[1][4 * t + 3]);
+    }
+  }
+
+  float o[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float v_ref = 1.f;  // the output is kept in units of this V scale
+
+  const uint8_t* k_head = p.k + kvh * p.stride_kh + 32 * j;
+  const uint8_t* v_head = p.v + kvh * p.stride_vh + 16 * g;
+  const float* ks_head = p.k_scale + kvh * p.stride_sh;
+  const float* vs_head = p.v_scale + kvh * p.stride_sh;
+
+  for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
+    const int t0 = tile * TILE;
+    // loads first, all of them: K (token g of each 8), V (4 tokens of each 16), scales
+    uint4 kw[4][2];
+    float k_scale[4][2];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int tok = t0 + 8 * n + g;
+      if (tok >= start && tok < ctx) {
+        const int64_t page = table[tok >> p.page_shift];
+        const uint8_t* at = k_head + page * p.stride_kp + (tok & page_mask) * p.stride_kt;
+        kw[n][0] = load16(at);
+        kw[n][1] = load16(at + 16);
+      } else {
+        kw[n][0] = kw[n][1] = make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int st = t0 + 8 * n + 2 * j + e;
+        k_scale[n][e] = 0.f;
+        if (st >= start && st < ctx) {
+          const int64_t page = table[st >> p.page_shift];
+          k_scale[n][e] = __ldg(ks_head + page * p.stride_sp + (st & page_mask) * p.stride_st);
+        }
+      }
+    }
+    uint4 vw[2][4];
+    float v_scale[2][4];
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = t0 + 16 * ks + 2 * j + (i & 1) + 8 * (i >> 1);
+        if (tok >= start && tok < ctx) {  // never the NaN bytes past the context
+          const int64_t page = table[tok >> p.page_shift];
+          const int64_t slot = tok & page_mask;
+          vw[ks][i] = load16(v_head + page * p.stride_vp + slot * p.stride_vt);
+          v_scale[ks][i] = __ldg(vs_head + page * p.stride_sp + slot * p.stride_st);
+        } else {
+          vw[ks][i] = make_uint4(0, 0, 0, 0);
+          v_scale[ks][i] = 0.f;
+        }
+      }
+    }
+
+    // scores, in log2 units
+    float sc[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+      const uint32_t w[8] = {kw[n][0].x, kw[n][0].y, kw[n][0].z, kw[n][0].w,
+                             kw[n][1].x, kw[n][1].y, kw[n][1].z, kw[n][1].w};
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        mma(sc[n], qa[t], e4m3x2_to_f16x2(w[t] & 0xFFFF), e4m3x2_to_f16x2(w[t] >> 16));
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = t0 + 8 * n + 2 * j + e;
+        const bool valid = tok >= start && tok < ctx;
+        const float mul = k_scale[n][e] * p.scale_log2;
+        sc[n][e] = valid ? sc[n][e] * mul : -INFINITY;
+        sc[n][2 + e] = valid ? sc[n][2 + e] * mul : -INFINITY;
+      }
+    }
+    // online softmax per row (a query head); a row's 8 tokens lie in the 4 lanes of its g
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !UPPER) {
+        alpha[1] = 1.f;
+        continue;
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m[r] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        sc[n][2 * r] = exp2f(sc[n][2 * r] - base);
+        sc[n][2 * r + 1] = exp2f(sc[n][2 * r + 1] - base);
+        sum += sc[n][2 * r] + sc[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = m_new;
+    }
+    // the tile's largest V scale: the probabilities go relative to it
+    float v_max = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v_max = fmaxf(v_max, v_scale[ks][i]);
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) v_max = fmaxf(v_max, __shfl_xor_sync(0xffffffff, v_max, off));
+    v_max = fmaxf(v_max, 1e-30f);
+    const float unit = v_ref / v_max;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= alpha[0] * unit;
+      o[n][1] *= alpha[0] * unit;
+      o[n][2] *= alpha[1] * unit;
+      o[n][3] *= alpha[1] * unit;
+    }
+    v_ref = v_max;
+    const float inv = 1.f / v_max;
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      float rel[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rel[i] = v_scale[ks][i] * inv;
+      const float(&lo)[4] = sc[2 * ks];
+      const float(&hi)[4] = sc[2 * ks + 1];
+      const uint32_t pa[4] = {
+          pack_f16(lo[0] * rel[0], lo[1] * rel[1]),
+          UPPER ? pack_f16(lo[2] * rel[0], lo[3] * rel[1]) : 0u,
+          pack_f16(hi[0] * rel[2], hi[1] * rel[3]),
+          UPPER ? pack_f16(hi[2] * rel[2], hi[3] * rel[3]) : 0u};
+      const uint32_t a[4] = {vw[ks][0].x, vw[ks][0].y, vw[ks][0].z, vw[ks][0].w};
+      const uint32_t bb[4] = {vw[ks][1].x, vw[ks][1].y, vw[ks][1].z, vw[ks][1].w};
+      const uint32_t c[4] = {vw[ks][2].x, vw[ks][2].y, vw[ks][2].z, vw[ks][2].w};
+      const uint32_t d[4] = {vw[ks][3].x, vw[ks][3].y, vw[ks][3].z, vw[ks][3].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        // tokens (2j, 2j+1) and (2j+8, 2j+9), their bytes paired: columns 4w .. 4w+3
+        const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
+        const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
+        mma(o[4 * w + 0], pa, e4m3x2_to_f16x2(x01 & 0xFFFF), e4m3x2_to_f16x2(x89 & 0xFFFF));
+        mma(o[4 * w + 1], pa, e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x89 >> 16));
+        mma(o[4 * w + 2], pa, e4m3x2_to_f16x2(y01 & 0xFFFF), e4m3x2_to_f16x2(y89 & 0xFFFF));
+        mma(o[4 * w + 3], pa, e4m3x2_to_f16x2(y01 >> 16), e4m3x2_to_f16x2(y89 >> 16));
+      }
+    }
+  }
+
+  // the warps' partials, merged: each row's sum over its 4 lanes, the output in true units
+  __shared__ float o_s[WARPS][16][D];
+  __shared__ float m_s[WARPS][16], l_s[WARPS][16];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    if (j == 0) {
+      m_s[warp][g + 8 * r] = m[r];
+      l_s[warp][g + 8 * r] = l[r];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 16 * (2 * j + e) + n;
+      o_s[warp][g][col] = o[n][e] * v_ref;
+      o_s[warp][g + 8][col] = o[n][2 + e] * v_ref;
+    }
+  __syncthreads();
+  const int rows = UPPER ? p.group : min(p.group, 8);
+  for (int idx = threadIdx.x; idx < rows * D; idx += WARPS * 32) {
+    const int r = idx / D, col = idx % D;
+    float top = -INFINITY;
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, m_s[w][r]);
+    float sum = 0.f, acc = 0.f;
+    if (top != -INFINITY)
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = exp2f(m_s[w][r] - top);
+        sum += l_s[w][r] * f;
+        acc += o_s[w][r][col] * f;
+      }
+    const int head = kvh * p.group + r;
+    const bool any = top != -INFINITY && sum > 0.f;
+    p.mid_o[b * p.stride_mob + head * p.stride_moh + s * p.stride_mos + col] =
+        any ? acc / sum : 0.f;
+    if (col == 0)
+      p.mid_lse[b * p.stride_mlb + head * p.stride_mlh + s] =
+          any ? (top + log2f(sum)) * 0.69314718055994530942f : -INFINITY;
+  }
+}
+
+}  // namespace
+
+const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads,
+                              cudaStream_t stream) {
+  if (p.group < 1 || p.group > 16) return "fp8_decode: GQA groups of 1 to 16 heads";
+  const dim3 grid(batch, kv_heads, p.num_splits);
+  if (p.group > 8)
+    fp8_decode_split_kernel<true><<<grid, WARPS * 32, 0, stream>>>(p);
+  else
+    fp8_decode_split_kernel<false><<<grid, WARPS * 32, 0, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? "" : cudaGetErrorString(err);
+}

@@ -1,0 +1,65 @@
+"""Stage 1 of FP8 decode attention in CUDA (csrc/fp8_decode.cu): tensor-core MMAs fed straight
+from global memory, for head_dim 128 and GQA groups of 1-16 on GPUs with e4m3 conversion
+(compute capability 8.9 and later). Built at first use through torch's cpp_extension (nvcc);
+where it cannot be built, or for other shapes, attention/triton_decode.py's kernel runs
+(`available` says which)."""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("nanoserve")
+
+CSRC = Path(__file__).parent / "csrc"
+HEAD_DIM, MAX_GROUP = 128, 16
+
+
+@cache
+def _extension():
+    """The compiled module, or None (logged once) where it cannot be built or run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load("nanoserve_fp8_decode",
+                    [str(CSRC / "fp8_decode_binding.cpp"), str(CSRC / "fp8_decode.cu")],
+                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"],
+                    extra_include_paths=[str(CSRC)], verbose=False)
+    except Exception as e:  # no nvcc, no ninja, a build error: Triton's kernel runs
+        log.warning("FP8 decode: the CUDA kernel could not be built (%s: %s); using Triton's",
+                    type(e).__name__, str(e)[:200])
+        return None
+
+
+def available(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+    """Whether the CUDA kernel takes this call: an FP8 cache [pages, page_size, kv_heads, 128]
+    on a GPU where it builds, a bf16 or f16 query, a power-of-two page size."""
+    group = q.shape[1] // k_cache.shape[2]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] == HEAD_DIM and 1 <= group <= MAX_GROUP
+            and page_size & (page_size - 1) == 0 and k_cache.element_size() == 1
+            and _extension() is not None)
+
+
+def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, page_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, starts: torch.Tensor | None,
+                    mid_o: torch.Tensor, mid_lse: torch.Tensor) -> None:
+    """Writes each split's output [batch, heads, splits, 128] and natural-log LSE [batch,
+    heads, splits] (float32) over each row's tokens [starts, context_lens), as Triton's stage
+    1 does; the split count is mid_o's."""
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_scale.stride() == v_scale.stride() and mid_o.stride(-1) == 1
+    assert page_tables.dtype == context_lens.dtype == torch.int32
+    page_size = k_cache.shape[1]
+    stream = torch.cuda.current_stream(q.device).cuda_stream  # a graph's, while capturing
+    refused = _extension().decode_partials(
+        q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, starts, mid_o,
+        mid_lse, scale, page_size.bit_length() - 1, stream)
+    if refused:
+        raise RuntimeError(refused)
