@@ -39,6 +39,7 @@ from nanoserve.cuda_timing import median_ms
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
+from nanoserve.kv.synthetic import fill_random
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
 from nanoserve.models.sizes import num_active_params, num_model_params, unread_expert_params
@@ -224,6 +225,9 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     doc = tokens(shared_prefix_len(args, input_len))
     seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
             engine.add_request(doc + tokens(input_len - len(doc)), params)]
+    if args.synthetic_prefill:
+        for i, seq in enumerate(seqs):
+            fill_random(kv, seq, seed=i)
     t0 = time.perf_counter()
     prefill = PrefillProgress()
     try:
@@ -297,6 +301,9 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     floor = max(row["pcie_floor_ms"], row["hbm_floor_ms"])
     row["tpot_over_floor"] = row["tpot_ms_median"] / floor
     row["ttft_over_floor"] = ttft / row["prefill_floor_s"]
+    if args.synthetic_prefill:  # the prefill computed less than a page per prompt
+        row.update(synthetic_prefill=True, ttft_s=float("nan"), prefill_tok_s=float("nan"),
+                   ttft_over_floor=float("nan"))
     del llm, engine, runner
     gc.collect()
     return row
@@ -682,6 +689,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="every request of a batch shares one document (all but its last 16 "
                          "tokens): with prefix caching its KV is computed and streamed once")
+    ap.add_argument("--synthetic-prefill", action="store_true",
+                    help="decode only: each prompt's full pages get random KV instead of a "
+                    "prefill (kv/synthetic.py; TTFT not measured): TPOT and memory at contexts "
+                    "whose prefill takes longer than a run can wait")
     ap.add_argument("--sampled", action="store_true",
                     help="run every configuration twice, greedy and sampled (--temperature, "
                          "--top-p, --top-k), and report the sampled / greedy ratios of TPOT "
@@ -701,6 +712,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.output_len < 2:
         ap.error("--output-len must be >= 2 (TPOT needs a decode step)")
+    if args.synthetic_prefill and (args.shared_prefix or args.compare_hf or
+                                   max(args.tensor_parallel_size) > 1):
+        ap.error("--synthetic-prefill writes this process's KV: not with --shared-prefix, "
+                 "--compare-hf or tensor parallelism")
     try:
         runs = sampling_runs(args)
     except ValueError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from bench_offload import (  # noqa: E402
     run_stall,
     sampling_runs,
 )
+from nanoserve.config import config_default  # noqa: E402
 from nanoserve.models.config import ModelConfig  # noqa: E402
 from nanoserve.models.loader import EMBEDDED_MODEL  # noqa: E402
 
@@ -67,6 +69,8 @@ def test_sampling_runs_from_the_options():
     (["--input-len", "0"], "argument --input-len: expected positive integers separated by "
                            "commas, got '0'"),
     (["--output-len", "1"], "--output-len must be >= 2 (TPOT needs a decode step)"),
+    (["--synthetic-prefill", "--shared-prefix"], "--synthetic-prefill writes this process's "
+     "KV: not with --shared-prefix, --compare-hf or tensor parallelism"),
 ])
 def test_bench_refuses_bad_options(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -137,6 +141,28 @@ def test_offload_modes_run_with_the_ring_slots_asked_for(buffers):
     assert row["streamed_layers"] == cfg.num_layers >= 3
     assert row["num_kv_buffers"] == buffers
     assert run_mode(args, "resident-eager", 48, 1, cfg, CEIL)["num_kv_buffers"] == 0
+
+
+def test_synthetic_prefill_fills_each_prompt_and_reports_no_ttft(monkeypatch):
+    """--synthetic-prefill: each prompt's full pages get random KV (kv/synthetic.py) before
+    the first step, so the prefill computes the rest only; decode runs and is timed; the row
+    carries no TTFT."""
+    filled = []
+    real = bench_offload.fill_random
+
+    def spy(kv, seq, seed=0):
+        filled.append((seed, real(kv, seq, seed)))
+        return filled[-1][1]
+
+    monkeypatch.setattr(bench_offload, "fill_random", spy)
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "600", "--output-len", "4",
+                       "--synthetic-prefill"])
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    row = run_mode(args, "offload-eager", 600, 2, cfg, CEIL)
+    page = config_default("page_size")
+    assert filled == [(0, 599 // page * page), (1, 599 // page * page)]
+    assert row["synthetic_prefill"] and math.isnan(row["ttft_s"])
+    assert row["tpot_ms_median"] > 0 and row["streamed_layers"] == cfg.num_layers
 
 
 def test_stall_mode_times_the_streams_gaps_against_a_chunk_step():
