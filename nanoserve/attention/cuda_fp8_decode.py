@@ -38,12 +38,18 @@ def _extension():
 
 def available(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
     """Whether the CUDA kernel takes this call: an FP8 cache [pages, page_size, kv_heads, 128]
-    on a GPU where it builds, a bf16 or f16 query, a power-of-two page size."""
+    on a GPU where it builds, 16-byte aligned, a bf16 or f16 query, a power-of-two page
+    size."""
     group = q.shape[1] // k_cache.shape[2]
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] == HEAD_DIM and 1 <= group <= MAX_GROUP
             and page_size & (page_size - 1) == 0 and k_cache.element_size() == 1
-            and _extension() is not None)
+            and _aligned(k_cache) and _extension() is not None)
+
+
+def _aligned(cache: torch.Tensor) -> bool:
+    """The kernel reads 16-byte vectors of a token's head."""
+    return cache.data_ptr() % 16 == 0 and all(x % 16 == 0 for x in cache.stride()[:3])
 
 
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,11 +61,14 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     1 does; the split count is mid_o's."""
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_scale.stride() == v_scale.stride() and mid_o.stride(-1) == 1
+    assert mid_lse.stride(-1) == 1
     assert page_tables.dtype == context_lens.dtype == torch.int32
+    assert _aligned(k_cache) and _aligned(v_cache)
     page_size = k_cache.shape[1]
-    stream = torch.cuda.current_stream(q.device).cuda_stream  # a graph's, while capturing
-    refused = _extension().decode_partials(
-        q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, starts, mid_o,
-        mid_lse, scale, page_size.bit_length() - 1, stream)
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
+        refused = _extension().decode_partials(
+            q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, starts, mid_o,
+            mid_lse, scale, page_size.bit_length() - 1, stream)
     if refused:
         raise RuntimeError(refused)

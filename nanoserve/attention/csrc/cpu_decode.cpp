@@ -444,22 +444,27 @@ Jobs split_jobs(const int32_t* lo, const int32_t* hi, int64_t batch, int64_t thr
   return out;
 }
 
+constexpr int64_t WARM_BYTES = 1 << 20;  // per thread: about half a core's L2
+
 // Pulls the jobs' KV (and FP8 scales) toward the caches, thread t taking jobs t, t + threads,
-// ..., each from its start, until `arrived()` says the kernel's queries are there. Between
-// two layers' kernels the host's memory only serves the link; in the kernel it serves both.
+// ..., each from its start, until `arrived()` says the kernel's queries are there or the
+// thread has pulled WARM_BYTES (more would evict what it pulled first). Between two layers'
+// kernels the host's memory only serves the link; in the kernel it serves both.
 template <typename Arrived>
 void warm(const Geometry& g, const int32_t* table, int64_t width, const Jobs& plan,
           int64_t threads, Arrived arrived) {
   const int64_t token_bytes = g.kv_heads * g.d * g.elem;
   const int64_t n_jobs = static_cast<int64_t>(plan.jobs.size());
-  auto pull = [&](const uint8_t* p, int64_t bytes) {  // false once the queries are there
-    for (int64_t i = 0; i < bytes; i += 64) {
-      if ((i & 4095) == 0 && arrived()) return false;
-      __builtin_prefetch(p + i, 0, 2);
-    }
-    return true;
-  };
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t z) {
+    int64_t budget = WARM_BYTES;
+    auto pull = [&](const uint8_t* p, int64_t bytes) {  // false once done
+      for (int64_t i = 0; i < bytes; i += 64) {
+        if ((i & 4095) == 0 && (arrived() || budget <= i)) return false;
+        __builtin_prefetch(p + i, 0, 2);
+      }
+      budget -= bytes;
+      return true;
+    };
     for (int64_t t = a; t < z; ++t)
       for (int64_t i = t; i < n_jobs; i += threads) {
         const Job& job = plan.jobs[i];
@@ -622,6 +627,7 @@ class ShareWorker {
       if (stop_) return;
       stop_ = true;
     }
+    closing_.store(true, std::memory_order_relaxed);  // ends a prefetch early
     wake_.notify_one();
     if (thread_.joinable()) thread_.join();
   }
@@ -740,12 +746,18 @@ class ShareWorker {
         last_end = Clock::now();
         worked += seconds(t0, *last_end);
         __atomic_store_n(done_flags_ + layer, number, __ATOMIC_RELEASE);
-        if (warm_ && layer + 1 < layers) {
-          const int64_t next = layer + 1;
-          const Geometry g = geometry(host_kv_[next], kind_, page_size_, kv_heads_, q_.size(1),
-                                      q_.size(2), scales_offset_, sm_scale_);
-          warm(g, step.table.data_ptr<int32_t>(), width, plan,
-               at::get_num_threads(), [&] { return q_flag(next) == number; });
+        const int64_t next = layer + 1;
+        // (not when the next queries are already there: a parallel region for nothing)
+        if (warm_ && next < layers && !plan.jobs.empty() && q_flag(next) != number) {
+          try {
+            const Geometry g = geometry(host_kv_[next], kind_, page_size_, kv_heads_,
+                                        q_.size(1), q_.size(2), scales_offset_, sm_scale_);
+            warm(g, step.table.data_ptr<int32_t>(), width, plan, at::get_num_threads(), [&] {
+              return q_flag(next) == number || q_flag(0) != number ||
+                     closing_.load(std::memory_order_relaxed);
+            });
+          } catch (const std::exception&) {  // a prefetch is only ever a hint
+          }
         }
       }
       std::lock_guard<std::mutex> lock(mutex_);
@@ -763,6 +775,7 @@ class ShareWorker {
   double sm_scale_;
   int64_t threads_;
   bool warm_;  // pull the next layer's share toward the caches while waiting for its queries
+  std::atomic<bool> closing_{false};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::map<int32_t, Step> steps_;

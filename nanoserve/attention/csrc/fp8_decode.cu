@@ -217,7 +217,8 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       for (int i = 0; i < 4; ++i) v_max = fmaxf(v_max, v_scale[ks][i]);
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) v_max = fmaxf(v_max, __shfl_xor_sync(0xffffffff, v_max, off));
-    v_max = fmaxf(v_max, 1e-30f);
+    // a tile of zero V (scales at their floor, 2^-126): the unit stays, their p x scale is 0
+    if (v_max < 1e-30f) v_max = v_ref;
     const float unit = v_ref / v_max;
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -257,8 +258,11 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     }
   }
 
-  // the warps' partials, merged: each row's sum over its 4 lanes, the output in true units
-  __shared__ float o_s[WARPS][16][D];
+  // the warps' partials, merged: each row's sum over its 4 lanes, the output in true units.
+  // o_s[w][n][8 r + c] holds row r's column 16 c + n of MMA n's output (c = 2j + e): a lane's
+  // stores and the merge's reads meet at most two to a bank (row-major [r][d] made 32)
+  constexpr int PITCH = 16 * 8 + 1;
+  __shared__ float o_s[WARPS][16][PITCH];
   __shared__ float m_s[WARPS][16], l_s[WARPS][16];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -273,9 +277,8 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   for (int n = 0; n < 16; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int col = 16 * (2 * j + e) + n;
-      o_s[warp][g][col] = o[n][e] * v_ref;
-      o_s[warp][g + 8][col] = o[n][2 + e] * v_ref;
+      o_s[warp][n][8 * g + 2 * j + e] = o[n][e] * v_ref;
+      o_s[warp][n][8 * (g + 8) + 2 * j + e] = o[n][2 + e] * v_ref;
     }
   __syncthreads();
   const int rows = UPPER ? p.group : min(p.group, 8);
@@ -288,7 +291,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       for (int w = 0; w < WARPS; ++w) {
         const float f = exp2f(m_s[w][r] - top);
         sum += l_s[w][r] * f;
-        acc += o_s[w][r][col] * f;
+        acc += o_s[w][col % 16][8 * r + col / 16] * f;
       }
     const int head = kvh * p.group + r;
     const bool any = top != -INFINITY && sum > 0.f;
@@ -310,6 +313,6 @@ const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads,
     fp8_decode_split_kernel<true><<<grid, WARPS * 32, 0, stream>>>(p);
   else
     fp8_decode_split_kernel<false><<<grid, WARPS * 32, 0, stream>>>(p);
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = cudaPeekAtLastError();  // (an earlier kernel's error would show too)
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
