@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.attention.extensions import load_extension
 from nanoserve.kv.fp8_format import FP8
 from offload import PageLayout
 
@@ -90,16 +91,15 @@ def _extension(without_avx512: bool = False):
     """The compiled kernel's module, or None (logged once) where it cannot be built.
     without_avx512: the build a CPU without AVX-512 gets (its portable loops), for tests."""
     try:
-        from torch.utils.cpp_extension import load
-
         # built for this CPU (-march=native): the name carries its features, so a build cache
         # shared by hosts with different CPUs keeps one build per CPU
         name = f"nanoserve_cpu_decode_{_cpu_features()}" + ("_noavx512" if without_avx512 else "")
-        return load(name, [str(SOURCE)], verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
-                                  "-fno-signed-zeros", "-fno-trapping-math"] +
-                    (["-mno-avx512f"] if without_avx512 else []),
-                    extra_ldflags=["-fopenmp"])
+        return load_extension(
+            name, [SOURCE], "CPU attention's C++ kernel",
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
+                          "-fno-signed-zeros", "-fno-trapping-math"] +
+            (["-mno-avx512f"] if without_avx512 else []),
+            extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a build error: the reference still runs
         log.warning("CPU attention: the C++ kernel could not be built (%s: %s); using torch's "
                     "kernels, several times slower", type(e).__name__, str(e)[:200])

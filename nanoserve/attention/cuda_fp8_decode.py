@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.attention.extensions import load_extension
+
 log = logging.getLogger("nanoserve")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -24,12 +26,10 @@ def _extension():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load("nanoserve_fp8_decode",
-                    [str(CSRC / "fp8_decode_binding.cpp"), str(CSRC / "fp8_decode.cu")],
-                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"],
-                    extra_include_paths=[str(CSRC)], verbose=False)
+        return load_extension(
+            "nanoserve_fp8_decode", [CSRC / "fp8_decode_binding.cpp", CSRC / "fp8_decode.cu"],
+            "FP8 decode's CUDA kernel", extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--use_fast_math"], extra_include_paths=[str(CSRC)])
     except Exception as e:  # no nvcc, no ninja, a build error: Triton's kernel runs
         log.warning("FP8 decode: the CUDA kernel could not be built (%s: %s); using Triton's",
                     type(e).__name__, str(e)[:200])

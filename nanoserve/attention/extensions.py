@@ -1,0 +1,24 @@
+"""The hand-written kernels' builds (csrc/: C++ for the CPU's attention share, CUDA for FP8
+decode): compiled at first use through torch's cpp_extension and cached, with a line saying
+so when a build is about to take a while."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger("nanoserve")
+
+
+def load_extension(name: str, sources: list[Path], what: str, **kw):
+    """torch's cpp_extension.load of `sources` as module `name`; raises what it raises."""
+    from torch.utils import cpp_extension
+
+    try:
+        built = Path(cpp_extension._get_build_directory(name, False), f"{name}.so").exists()
+    except Exception:  # a private helper: if it moves, no line, the same build
+        built = True
+    if not built:
+        log.info("%s: compiling it (first use on this machine, up to a minute; cached after)",
+                 what)
+    return cpp_extension.load(name, [str(s) for s in sources], verbose=False, **kw)

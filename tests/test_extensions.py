@@ -1,0 +1,28 @@
+"""The hand-written kernels' builds (attention/extensions.py): a line before a first build,
+none when the build is cached; torch's loader gets the sources and options as given."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch.utils import cpp_extension
+
+from nanoserve.attention.extensions import load_extension
+
+
+def test_a_first_build_is_announced_a_cached_one_is_not(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load",
+                        lambda name, sources, **kw: calls.append((name, sources, kw)) or "mod")
+    with caplog.at_level(logging.INFO, logger="nanoserve"):
+        assert load_extension("ns_x", [Path("a.cpp")], "X's kernel", extra_cflags=["-O3"]) \
+            == "mod"
+    assert calls == [("ns_x", ["a.cpp"], {"verbose": False, "extra_cflags": ["-O3"]})]
+    assert "X's kernel: compiling it (first use on this machine" in caplog.text
+    caplog.clear()
+    (tmp_path / "ns_x.so").write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="nanoserve"):
+        load_extension("ns_x", [Path("a.cpp")], "X's kernel")
+    assert "compiling" not in caplog.text and len(calls) == 2
