@@ -27,7 +27,9 @@ for w in $what; do
   case $w in
     tests)  # one H200: 567 s in session 18 (STEP_TIMEOUT=575, a call of its own; near the
             # limit: GPU_TESTS="tests/test_gpu_*.py" and "tests/test_[a-f]*.py ..." split it)
-      run python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider -s --durations=30 2>&1 \
+      # (tests/test_gpu_1m.py, two minutes on an H200, runs alone: GPU_TESTS=tests/test_gpu_1m.py)
+      run python3 -m pytest -q -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_1m.py} \
+        -p no:cacheprovider -s --durations=30 2>&1 \
              | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAIL|Error|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)" | tail -60 ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
       run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py \
