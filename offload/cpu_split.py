@@ -70,18 +70,17 @@ class CpuSplit:
         plus gap, is paced by the CPU or by the link, which runs layers ahead of the CPU.
         Where the cycle is clearly longer than the link needs for its share at its rate beside
         the CPU (PACED_BY_CPU), the CPU set the pace and the gap is all overhead: the estimate
-        is the lower median of the last such gaps (hiccups only lengthen a gap; their least
-        made the CPU's share too large: FP8 at 32K, 133 us where the median was 204, gave
-        0.33 where 0.30 was best). Otherwise the gap
-        may be waiting for the link: the estimate decays, fast where the cycle is clearly
-        shorter than the link's time (PACED_BY_LINK), slowly near the balance, where the host
-        cannot tell the two apart; so more goes to the CPU until it sets the pace and is
-        measured again. (An estimate that fell to nothing near the balance drifted FP8 at 32K
-        to 0.37 where 0.30 was best; one that stayed there, inflated, held bf16 at 0.34 where
-        0.45 was; a link priced at its probe's alone rate, 53 GB/s, where bf16's steps beside
-        the CPU ran slower, took link-paced layers for CPU-paced ones, and their waits for
-        overhead: 413 us, holding bf16 at 0.28.) The plan itself prices the link at the rate
-        steps reached (`link_now`)."""
+        is the lower median of the last such gaps (hiccups only lengthen a gap; their least,
+        133 us where the median was 204, gave FP8 at 32K 0.33 where 0.30 was best). Otherwise
+        the gap may be waiting for the link: the estimate decays, fast where the cycle is
+        clearly shorter than the link's time (PACED_BY_LINK), slowly near the balance, where
+        the host cannot tell the two apart; so more goes to the CPU until it sets the pace and
+        is measured again. (An estimate that fell to nothing near the balance drifted FP8 at
+        32K to 0.37 where 0.30 was best; one that stayed there, inflated, held bf16 at 0.34
+        where 0.45 was; pacing told at the probe's alone rate, 53 GB/s, where bf16's steps
+        beside the CPU ran slower, took link-paced layers for CPU-paced ones and their waits
+        for overhead, 413 us, holding bf16 at 0.28.) The fraction itself prices the link at
+        the rate steps reached (`link_now`)."""
         if self.fixed is not None or work <= 0 or cpu_bytes <= 0:
             return self
         rate, cycle = cpu_bytes / work, work + gap
