@@ -14,8 +14,9 @@ CPU's, which reads them for each row: the more rows share, the less goes to the 
 The start-up probe measures the rates; each decode step with a CPU share then refines the
 rates and the overhead from what the host saw (`calibrated`): the probe cannot see the layer's
 own GPU work, which with Qwen3-8B at batch 1 made the overhead 0.2-0.4 ms a layer against the
-probe's sync alone. A fixed fraction skips all that. Each row gives the
-CPU floor(f * its full host pages).
+probe's sync alone, and its CPU reads all the time where a step's reads for part of each
+layer, so steps see the link faster than the probe beside the CPU does (`link_now`). A fixed
+fraction skips all that. Each row gives the CPU floor(f * its full host pages).
 """
 
 from __future__ import annotations
