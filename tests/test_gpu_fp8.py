@@ -58,6 +58,14 @@ def paged_fp8(lens, kv_heads, d, page_size, gen):
     return k, v, k_scale, v_scale, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
+def fp8_case(lens, heads, kv_heads, d, page_size):
+    """A bf16 query per row and paged_fp8's caches, seeded by the case."""
+    gen = torch.Generator(device="cuda").manual_seed(len(lens) * 1000 + heads + page_size)
+    k, v, k_scale, v_scale, table, lens_t = paged_fp8(lens, kv_heads, d, page_size, gen)
+    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
+    return q, k, v, k_scale, v_scale, table, lens_t
+
+
 @pytest.mark.parametrize("lens", [[1], [7], [300], [4096], [32768], [1, 5000, 77],
                                   [2048] * 16, [40000, 3, 900, 12000]])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8)])
@@ -78,10 +86,8 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
         paged_decode_attention,
     )
 
-    gen = torch.Generator(device="cuda").manual_seed(len(lens) * 1000 + heads + page_size)
     d = 128
-    k, v, k_scale, v_scale, table, lens_t = paged_fp8(lens, kv_heads, d, page_size, gen)
-    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
+    q, k, v, k_scale, v_scale, table, lens_t = fp8_case(lens, heads, kv_heads, d, page_size)
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
     tiles = TILES["fp8"]._replace(f16_dot=f16_dot, tma=tma, transposed=transposed, cuda=False)
@@ -162,10 +168,8 @@ def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, p
         paged_decode_attention,
     )
 
-    gen = torch.Generator(device="cuda").manual_seed(len(lens) * 1000 + heads + page_size)
     d = 128
-    k, v, k_scale, v_scale, table, lens_t = paged_fp8(lens, kv_heads, d, page_size, gen)
-    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).bfloat16()
+    q, k, v, k_scale, v_scale, table, lens_t = fp8_case(lens, heads, kv_heads, d, page_size)
     if not cuda_fp8_decode.available(q, k, page_size):
         pytest.skip("the CUDA FP8 kernel does not build or run here")
     scale = d**-0.5
