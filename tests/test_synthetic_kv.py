@@ -57,6 +57,10 @@ def test_written_prompt_kv_decodes_like_computed(six_layer_dir, kv_cache_dtype):
     if k_scale is not None:
         assert (k_scale[pages_c] > 0).all()
     assert finish(c, seq_c) != want
+    # the random pages never entered the prefix cache: the same prompt again computes its KV
+    # and decodes as the first engine did
+    again = c.add_request(prompt, GREEDY)[0]
+    assert finish(c, again) == want and again.num_cached_tokens == 0
 
 
 def test_only_a_fresh_sequence_is_given_pages(six_layer_dir):
@@ -67,3 +71,7 @@ def test_only_a_fresh_sequence_is_given_pages(six_layer_dir):
     claim_prompt_pages(eng.kv, seq)
     with pytest.raises(ValueError, match="holds no pages"):
         claim_prompt_pages(eng.kv, seq)
+    scored = eng.add_request(random_prompts(1, [30])[0],
+                             SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    with pytest.raises(ValueError, match="computed whole"):
+        claim_prompt_pages(eng.kv, scored)

@@ -28,14 +28,18 @@ def tier_rows(kv: KVManager, layer: int) -> torch.Tensor:
 def claim_prompt_pages(kv: KVManager, seq) -> list[int]:
     """Gives a waiting `seq` the pages of its prompt's full pages but the one holding its last
     token, and marks their tokens computed (seq.num_cached): the pages its KV is to be written
-    to. Empty for a prompt shorter than a page and a token."""
+    to. Empty for a prompt shorter than a page and a token. The pages count as already in the
+    prefix cache (seq.num_pages_cached), so they never enter it: their KV is not its tokens'."""
     if seq.pages or seq.num_cached:
         raise ValueError("only a sequence that holds no pages yet can be given its prompt's")
+    if seq.scores_prompt:
+        raise ValueError("a prompt whose logprobs are asked for is computed whole")
     ps = kv.spec.page_size
     n = (seq.num_tokens - 1) // ps * ps
     if n and not kv.grow(seq, n):
         raise OutOfPages(f"{n // ps} pages for the prompt's KV; {kv.num_free} free")
     seq.num_cached = n
+    seq.num_pages_cached = len(seq.pages)
     return list(seq.pages)
 
 
