@@ -153,13 +153,16 @@ def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
                                   [1, 5000, 77], [2048] * 16, [40000, 3, 900, 12000]])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8), (32, 2)])
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, page_size):
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, page_size,
+                                                        stages):
     """The CUDA kernel (csrc/fp8_decode.cu) against float64 on the dequantized values, with
     the Triton kernel's bound: groups of 4, 7, 1 and 16 (its two row halves), pages of 16 and
     256 tokens, lengths that end mid-tile and mid-page (NaN bytes past each context), rows
     of mixed lengths; its partials merged by Triton's stage 2, and over [start, length) as
     the CPU split asks (the first `start` tokens left out, compared with float64 on the
-    rest)."""
+    rest); with 2 to 4 tiles in each warp's copy pipeline (one warp's tiles are fewer than
+    its stages in the short rows)."""
     from nanoserve.attention.triton_decode import (
         TILES,
         decode_partials,
@@ -174,7 +177,7 @@ def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, p
         pytest.skip("the CUDA FP8 kernel does not build or run here")
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
-    tiles = TILES["fp8"]._replace(cuda=True)
+    tiles = TILES["fp8"]._replace(cuda=True, num_stages=stages)
     out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
                                  v_scale=v_scale, tiles=tiles)
     k64 = dequantize.eager(k, k_scale, torch.float64)

@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--transposed", nargs="?", const="also", choices=["also", "only"],
                     help="also (or only) try the dots transposed: scores [tokens, group] "
                     "(Tiles.transposed)")
+    ap.add_argument("--cuda-stages", default="2,3,4",
+                    help="with --cuda: tiles a warp holds in shared memory (2 to 4)")
     ap.add_argument("--cuda", action="store_true",
                     help="FP8: also time the CUDA kernel (Tiles.cuda; its tile is fixed, the "
                     "split multiples apply)")
@@ -85,7 +87,8 @@ def main() -> None:
     f16 = [t._replace(f16_dot=True) for t in base if t.block_n >= 64 and args.f16_dot]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []) +
-                      ([TILES["fp8"]._replace(split_factor=1, cuda=True)] if args.cuda else []))}
+                      ([TILES["fp8"]._replace(split_factor=1, cuda=True, num_stages=n)
+                        for n in ints(args.cuda_stages)] if args.cuda else []))}
     for key in args.dtypes.split(","):
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):

@@ -5,9 +5,12 @@
 // setting (docs/perf-notes.md, session 18).
 //
 // Block (sequence b, kv head h, split s): 4 warps, each taking every fourth 32-token tile of
-// the split; the warps' partials merge in shared memory at the end. Everything a tile needs
-// goes from global memory straight into registers in the layout of an m16n8k16 MMA
-// fragment, so no shared memory or layout shuffles sit between the loads and the MMAs:
+// the split; the warps' partials merge in shared memory at the end. Each lane copies the
+// bytes its own MMA fragments need (cp.async, STAGES tiles deep, so the next tiles' loads are
+// in flight while this one computes) into lane-private shared memory slots, [chunk][lane],
+// and reads them back in the layout of an m16n8k16 MMA fragment: no layout shuffles and no
+// barriers sit between the loads and the MMAs (a lane reads only what it copied). Loading
+// straight into registers, one tile at a time, read at 2.0x the memory floor (session 19):
 // - scores S = Q.K^T [16 (the group, padded), 8 tokens] per MMA: K is the B operand, whose
 //   fragment gives lane (g = lane / 4, j = lane % 4) token g of the 8 and four values of the
 //   MMA's k (head_dim) slice. A dot is a sum over head_dim in any order, so k-step t's
@@ -62,19 +65,91 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 load16(const uint8_t* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
+// asynchronous copies to shared memory; bytes 0 fills the slot with zeros and reads nothing
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool real) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src),
+               "r"(real ? 16 : 0));
 }
+
+__device__ __forceinline__ void copy4(void* dst, const void* src, bool real) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(at), "l"(src),
+               "r"(real ? 4 : 0));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void wait_until_pending() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// One tile's bytes for one warp, [chunk][lane]: 16 chunks of 16 bytes a lane (K: token
+// 8n + g's 32 bytes as chunks 2n and 2n + 1; V: chunk 8 + 4ks + i holds token
+// 16ks + 2j + (i & 1) + 8 (i >> 1), its 16 bytes at head_dim 16g) and 16 scales: K's of the
+// lane's tokens 8n + 2j + e at 2n + e, V's of the same tokens at 8 + 2n + e (which is
+// 8 + 4ks + i for V chunk (ks, i): the same token)
+struct alignas(16) Stage {
+  uint4 data[16][32];
+  float scale[16][32];
+};
+
 
 __device__ __forceinline__ float q_value(const Fp8DecodeParams& p, int64_t at) {
   if (p.q_bf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p.q)[at]);
   return __half2float(static_cast<const __half*>(p.q)[at]);
 }
 
-// UPPER: the group has more than 8 heads, so the MMA rows g + 8 are heads too
-template <bool UPPER>
+// the lane's copies of one tile into `st`: K and V bytes, their scales; tokens outside
+// [start, ctx) are zeros (never the NaN bytes past the context)
+__device__ __forceinline__ void copy_tile(const Fp8DecodeParams& p, Stage& st, int t0,
+                                          int start, int ctx, const int32_t* table,
+                                          const uint8_t* k_head, const uint8_t* v_head,
+                                          const float* ks_head, const float* vs_head, int lane) {
+  const int g = lane / 4, j = lane % 4;
+  const int page_mask = (1 << p.page_shift) - 1;
+  // a tile lies in one page when pages hold 32 tokens or more: one table read
+  const bool one_page = p.page_shift >= 5;
+  const int64_t tile_page = one_page ? table[t0 >> p.page_shift] : 0;
+  auto page_of = [&](int tok) -> int64_t {
+    return one_page ? tile_page : static_cast<int64_t>(table[tok >> p.page_shift]);
+  };
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int tok = t0 + 8 * n + g;
+    const bool real = tok >= start && tok < ctx;
+    const uint8_t* at = real ? k_head + page_of(tok) * p.stride_kp + (tok & page_mask) * p.stride_kt
+                             : k_head;
+    copy16(&st.data[2 * n][lane], at, real);
+    copy16(&st.data[2 * n + 1][lane], at + 16, real);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = t0 + 8 * n + 2 * j + e;
+      const bool in = t >= start && t < ctx;
+      const int64_t off = in ? page_of(t) * p.stride_sp + (t & page_mask) * p.stride_st : 0;
+      copy4(&st.scale[2 * n + e][lane], ks_head + off, in);
+      copy4(&st.scale[8 + 2 * n + e][lane], vs_head + off, in);
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = t0 + 16 * ks + 2 * j + (i & 1) + 8 * (i >> 1);
+      const bool real = tok >= start && tok < ctx;
+      const uint8_t* at = real ? v_head + page_of(tok) * p.stride_vp + (tok & page_mask) * p.stride_vt
+                               : v_head;
+      copy16(&st.data[8 + 4 * ks + i][lane], at, real);
+    }
+}
+
+// UPPER: the group has more than 8 heads, so the MMA rows g + 8 are heads too. STAGES: tiles
+// a warp has in shared memory, the one it computes and STAGES - 1 in flight
+template <bool UPPER, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 fp8_decode_split_kernel(const Fp8DecodeParams p) {
+  extern __shared__ Stage stages[];  // [warp][STAGES]
   const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, j = lane % 4;
@@ -86,12 +161,29 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   const int tile_lo = first_tile + s * per_split;
   const int tile_hi = min(tile_lo + per_split, num_tiles);
   const int32_t* table = p.page_table + b * p.stride_pt;
-  const int page_mask = (1 << p.page_shift) - 1;
+  Stage* mine = stages + warp * STAGES;
+
+  const uint8_t* k_head = p.k + kvh * p.stride_kh + 32 * j;
+  const uint8_t* v_head = p.v + kvh * p.stride_vh + 16 * g;
+  const float* ks_head = p.k_scale + kvh * p.stride_sh;
+  const float* vs_head = p.v_scale + kvh * p.stride_sh;
+  // the warp's tiles are tile_lo + warp + WARPS x i; the first STAGES - 1 go in flight now.
+  // Every step commits a group, empty or not, so "all but the newest STAGES - 1 groups
+  // done" always means "this step's tile is here"
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    const int tile = tile_lo + warp + WARPS * i;
+    if (tile < tile_hi)
+      copy_tile(p, mine[i], tile * TILE, start, ctx, table, k_head, v_head, ks_head, vs_head,
+                lane);
+    commit();
+  }
 
   // Q's A fragments: rows g (and g + 8), head_dim in the order described above
   uint32_t qa[8][4];
   {
     float row[2][32];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = g + 8 * r;
       const bool real = head < p.group && (r == 0 || UPPER);
@@ -114,63 +206,28 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float v_ref = 1.f;  // the output is kept in units of this V scale
 
-  const uint8_t* k_head = p.k + kvh * p.stride_kh + 32 * j;
-  const uint8_t* v_head = p.v + kvh * p.stride_vh + 16 * g;
-  const float* ks_head = p.k_scale + kvh * p.stride_sh;
-  const float* vs_head = p.v_scale + kvh * p.stride_sh;
-
+  int slot = 0;
   for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
+    {  // the tile STAGES - 1 ahead goes into the slot the previous step read
+      const int ahead = tile + WARPS * (STAGES - 1);
+      const int into = slot == 0 ? STAGES - 1 : slot - 1;
+      if (ahead < tile_hi)
+        copy_tile(p, mine[into], ahead * TILE, start, ctx, table, k_head, v_head, ks_head,
+                  vs_head, lane);
+      commit();
+    }
+    wait_until_pending<STAGES - 1>();
+    const Stage& st = mine[slot];
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
     const int t0 = tile * TILE;
-    // loads first, all of them: K (token g of each 8), V (4 tokens of each 16), scales
-    uint4 kw[4][2];
-    float k_scale[4][2];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int tok = t0 + 8 * n + g;
-      if (tok >= start && tok < ctx) {
-        const int64_t page = table[tok >> p.page_shift];
-        const uint8_t* at = k_head + page * p.stride_kp + (tok & page_mask) * p.stride_kt;
-        kw[n][0] = load16(at);
-        kw[n][1] = load16(at + 16);
-      } else {
-        kw[n][0] = kw[n][1] = make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int st = t0 + 8 * n + 2 * j + e;
-        k_scale[n][e] = 0.f;
-        if (st >= start && st < ctx) {
-          const int64_t page = table[st >> p.page_shift];
-          k_scale[n][e] = __ldg(ks_head + page * p.stride_sp + (st & page_mask) * p.stride_st);
-        }
-      }
-    }
-    uint4 vw[2][4];
-    float v_scale[2][4];
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = t0 + 16 * ks + 2 * j + (i & 1) + 8 * (i >> 1);
-        if (tok >= start && tok < ctx) {  // never the NaN bytes past the context
-          const int64_t page = table[tok >> p.page_shift];
-          const int64_t slot = tok & page_mask;
-          vw[ks][i] = load16(v_head + page * p.stride_vp + slot * p.stride_vt);
-          v_scale[ks][i] = __ldg(vs_head + page * p.stride_sp + slot * p.stride_st);
-        } else {
-          vw[ks][i] = make_uint4(0, 0, 0, 0);
-          v_scale[ks][i] = 0.f;
-        }
-      }
-    }
 
     // scores, in log2 units
     float sc[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      const uint32_t w[8] = {kw[n][0].x, kw[n][0].y, kw[n][0].z, kw[n][0].w,
-                             kw[n][1].x, kw[n][1].y, kw[n][1].z, kw[n][1].w};
+      const uint4 k0 = st.data[2 * n][lane], k1 = st.data[2 * n + 1][lane];
+      const uint32_t w[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
 #pragma unroll
       for (int t = 0; t < 8; ++t)
         mma(sc[n], qa[t], e4m3x2_to_f16x2(w[t] & 0xFFFF), e4m3x2_to_f16x2(w[t] >> 16));
@@ -178,7 +235,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       for (int e = 0; e < 2; ++e) {
         const int tok = t0 + 8 * n + 2 * j + e;
         const bool valid = tok >= start && tok < ctx;
-        const float mul = k_scale[n][e] * p.scale_log2;
+        const float mul = st.scale[2 * n + e][lane] * p.scale_log2;
         sc[n][e] = valid ? sc[n][e] * mul : -INFINITY;
         sc[n][2 + e] = valid ? sc[n][2 + e] * mul : -INFINITY;
       }
@@ -210,11 +267,13 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       m[r] = m_new;
     }
     // the tile's largest V scale: the probabilities go relative to it
+    float v_scale[8];
     float v_max = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v_max = fmaxf(v_max, v_scale[ks][i]);
+    for (int i = 0; i < 8; ++i) {
+      v_scale[i] = st.scale[8 + i][lane];
+      v_max = fmaxf(v_max, v_scale[i]);
+    }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) v_max = fmaxf(v_max, __shfl_xor_sync(0xffffffff, v_max, off));
     // a tile of zero V (scales at their floor, 2^-126): the unit stays, their p x scale is 0
@@ -233,7 +292,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int ks = 0; ks < 2; ++ks) {
       float rel[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) rel[i] = v_scale[ks][i] * inv;
+      for (int i = 0; i < 4; ++i) rel[i] = v_scale[4 * ks + i] * inv;
       const float(&lo)[4] = sc[2 * ks];
       const float(&hi)[4] = sc[2 * ks + 1];
       const uint32_t pa[4] = {
@@ -241,10 +300,12 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
           UPPER ? pack_f16(lo[2] * rel[0], lo[3] * rel[1]) : 0u,
           pack_f16(hi[0] * rel[2], hi[1] * rel[3]),
           UPPER ? pack_f16(hi[2] * rel[2], hi[3] * rel[3]) : 0u};
-      const uint32_t a[4] = {vw[ks][0].x, vw[ks][0].y, vw[ks][0].z, vw[ks][0].w};
-      const uint32_t bb[4] = {vw[ks][1].x, vw[ks][1].y, vw[ks][1].z, vw[ks][1].w};
-      const uint32_t c[4] = {vw[ks][2].x, vw[ks][2].y, vw[ks][2].z, vw[ks][2].w};
-      const uint32_t d[4] = {vw[ks][3].x, vw[ks][3].y, vw[ks][3].z, vw[ks][3].w};
+      const uint4 va = st.data[8 + 4 * ks][lane], vb = st.data[9 + 4 * ks][lane];
+      const uint4 vc = st.data[10 + 4 * ks][lane], vd = st.data[11 + 4 * ks][lane];
+      const uint32_t a[4] = {va.x, va.y, va.z, va.w};
+      const uint32_t bb[4] = {vb.x, vb.y, vb.z, vb.w};
+      const uint32_t c[4] = {vc.x, vc.y, vc.z, vc.w};
+      const uint32_t d[4] = {vd.x, vd.y, vd.z, vd.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         // tokens (2j, 2j+1) and (2j+8, 2j+9), their bytes paired: columns 4w .. 4w+3
@@ -260,10 +321,14 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 
   // the warps' partials, merged: each row's sum over its 4 lanes, the output in true units.
   // o_s[w][n][8 r + c] holds row r's column 16 c + n of MMA n's output (c = 2j + e): a lane's
-  // stores and the merge's reads meet at most two to a bank (row-major [r][d] made 32)
+  // stores and the merge's reads meet at most two to a bank (row-major [r][d] made 32). They
+  // reuse the stages' memory, once every copy has landed and every warp has read its last
   constexpr int PITCH = 16 * 8 + 1;
-  __shared__ float o_s[WARPS][16][PITCH];
-  __shared__ float m_s[WARPS][16], l_s[WARPS][16];
+  wait_until_pending<0>();
+  __syncthreads();
+  auto& o_s = *reinterpret_cast<float(*)[WARPS][16][PITCH]>(stages);
+  auto& m_s = *reinterpret_cast<float(*)[WARPS][16]>(&o_s[WARPS][0][0]);
+  auto& l_s = *reinterpret_cast<float(*)[WARPS][16]>(&m_s[WARPS][0]);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
@@ -303,16 +368,40 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   }
 }
 
+constexpr int MERGE_BYTES = (WARPS * 16 * (16 * 8 + 1) + 2 * WARPS * 16) * sizeof(float);
+
+template <bool UPPER, int STAGES>
+const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = WARPS * STAGES * sizeof(Stage);
+  static_assert(bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
+  // past 48 KiB a kernel asks for its shared memory, on the current device (not a stream
+  // operation: allowed while a graph captures, as flash-attn's launches do)
+  const cudaError_t asked = cudaFuncSetAttribute(
+      fp8_decode_split_kernel<UPPER, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (asked != cudaSuccess) return cudaGetErrorString(asked);
+  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(p);
+  return nullptr;
+}
+
+template <bool UPPER>
+const char* launch_stages(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
+  switch (stages) {
+    case 2: return launch<UPPER, 2>(p, grid, stream);
+    case 3: return launch<UPPER, 3>(p, grid, stream);
+    case 4: return launch<UPPER, 4>(p, grid, stream);
+    default: return "fp8_decode: 2 to 4 stages";
+  }
+}
+
 }  // namespace
 
-const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads,
+const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
                               cudaStream_t stream) {
   if (p.group < 1 || p.group > 16) return "fp8_decode: GQA groups of 1 to 16 heads";
   const dim3 grid(batch, kv_heads, p.num_splits);
-  if (p.group > 8)
-    fp8_decode_split_kernel<true><<<grid, WARPS * 32, 0, stream>>>(p);
-  else
-    fp8_decode_split_kernel<false><<<grid, WARPS * 32, 0, stream>>>(p);
+  const char* refused = p.group > 8 ? launch_stages<true>(p, grid, stages, stream)
+                                    : launch_stages<false>(p, grid, stages, stream);
+  if (refused != nullptr) return refused;
   const cudaError_t err = cudaPeekAtLastError();  // (an earlier kernel's error would show too)
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
