@@ -193,6 +193,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         kw["num_kv_buffers"] = args.num_kv_buffers
         if args.gpu_kv_budget is not None:
             kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
+        if args.host_kv_budget is not None:
+            kw["host_kv_budget_gib"] = args.host_kv_budget
     elif args.gpu_kv_budget is not None and args.force_budget_resident:
         kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
     if args.sync_scheduling:
@@ -208,8 +210,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     kv = engine.kv
     need = kv_pages_needed(args, input_len, batch, kv.spec.page_size)
     if need > kv.capacity:
-        raise ValueError(f"does not fit: {plural(need, 'KV page')} needed, the budgets hold "
-                         f"{kv.capacity}")
+        raise ValueError(f"does not fit: {plural(need, 'KV page')} needed, "
+                         f"{kv.describe_budgets()} holds {kv.capacity}")
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
     params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
@@ -678,6 +680,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-kv-budget", type=float, default=config_default("gpu_kv_budget_gib"),
                     help="offload modes: GPU KV budget in GiB (with --resident-layers unset "
                          "by -1, the split follows the budget)")
+    ap.add_argument("--host-kv-budget", type=float, default=config_default("host_kv_budget_gib"),
+                    help="offload modes: host KV budget in GiB (default: half the available RAM)")
     ap.add_argument("--force-budget-resident", action="store_true",
                     help="apply --gpu-kv-budget to resident modes too")
     ap.add_argument("--temperature", type=float, default=None,

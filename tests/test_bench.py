@@ -268,8 +268,15 @@ def test_a_shared_prefix_batch_that_fits_only_shared_is_not_refused():
     budget = (4 * 5 * lpb + 2 * 9 * lpb) / 2**30
     argv = ["--model", "tiny-qwen3", "--input-len", "600", "--output-len", "6",
             "--gpu-kv-budget", str(budget)]
-    with pytest.raises(ValueError, match="does not fit: 12 KV pages needed, the budgets hold 8"):
+    with pytest.raises(ValueError, match=r"does not fit: 12 KV pages needed, the GPU KV budget "
+                       r"\(0.009277 GiB\) with the host KV budget \(.* GiB, --host-kv-budget\) "
+                       r"holds 8"):
         run_mode(parse_args(argv), "offload-eager", 600, 4, cfg, CEIL)
+    # --host-kv-budget reaches the engine: 6 pages of 4 streamed layers, one the dummy page
+    with pytest.raises(ValueError, match=r"host KV budget \(0.005859 GiB, --host-kv-budget\) "
+                       r"holds 5"):
+        run_mode(parse_args([*argv, "--host-kv-budget", str(6 * 4 * lpb / 2**30)]),
+                 "offload-eager", 600, 4, cfg, CEIL)
     row = run_mode(parse_args([*argv, "--shared-prefix"]), "offload-eager", 600, 4, cfg, CEIL)
     assert (row["batch"], row["streamed_layers"]) == (4, 4)
     # a decode step loads the document's 2 pages once for all 4 requests (each one's own page

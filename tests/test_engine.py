@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import random_prompts
@@ -182,11 +184,16 @@ def test_bad_requests_get_errors_and_others_keep_running(qwen3_dir):
     assert tokens([outs[0], outs[4]]) == tokens(llm.generate(good, GREEDY))
 
 
-def test_prompt_larger_than_the_kv_budget_is_refused(qwen3_dir):
+def test_prompt_larger_than_the_kv_budget_is_refused(qwen3_dir, caplog):
     page_bytes = KVSpec(3, 4, 2, 16, torch.float32).page_bytes()
-    llm = make_llm(qwen3_dir, gpu_kv_budget_gib=9 * page_bytes / 2**30)  # 8 usable pages
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        llm = make_llm(qwen3_dir, gpu_kv_budget_gib=9 * page_bytes / 2**30,  # 8 usable pages
+                       max_model_len=64)
+    # said at start: 8 pages of 4 tokens hold 31 tokens of a prompt and its next token
+    assert ("the KV cache holds 31 tokens, fewer than max_model_len (64): the GPU KV budget"
+            in caplog.text)
     outs = llm.generate(random_prompts(2, [40, 10]), GREEDY)
-    assert "KV budget holds 8" in outs[0].error
+    assert "GPU KV budget" in outs[0].error and "holds 8" in outs[0].error
     # the other request runs until its context fills all 32 slots, then ends with "length"
     assert outs[1].error is None and outs[1].finish_reason == "length"
     assert len(outs[1].token_ids) == 32 - 10 + 1

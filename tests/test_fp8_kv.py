@@ -88,6 +88,8 @@ def test_scales_live_in_the_page_row_of_their_values():
     got = gather_kv(k, pages, 6, k_scale, torch.float32)  # page 1's 4 tokens, page 3's first 2
     assert torch.equal(got[2:4], dequantize(want_values[1:], want_scales[1:], torch.float32))
     assert torch.equal(got[5], dequantize(want_values[0], want_scales[0], torch.float32))
+    for start in (0, 3, 4, 5):  # a piece of the prefix: from mid-page, from a page's start
+        assert torch.equal(gather_kv(k, pages, 6, k_scale, torch.float32, start), got[start:])
 
 
 def test_byte_arithmetic_counts_fp8_values_and_their_scales():

@@ -48,11 +48,16 @@ CASES = [(t, p, h, hkv) for t, p in ((1, 0), (5, 0), (64, 0), (1, 1), (5, 7), (6
          for h, hkv in ((8, 8), (8, 2), (8, 1))]
 
 
-@pytest.fixture(params=["one-kernel", "split"])
+@pytest.fixture(params=["one-kernel", "split", "pieces", "pieces-split"])
 def route(request, monkeypatch):
-    """Both routes of a chunk with a prefix: one SDPA call (small work), or split and merged."""
-    if request.param == "split":
+    """Every route of a chunk with a prefix: one SDPA call (small work), or split and merged;
+    and the prefix read in pieces of 5 tokens (most cases' prefixes take several, the last one
+    short, starting mid-page in the paged cases), small work through the planless kernel or
+    all through the split route's."""
+    if request.param.endswith("split"):
         monkeypatch.setattr("nanoserve.attention.prefill.SPLIT_MIN_WORK", 0)
+    if request.param.startswith("pieces"):
+        monkeypatch.setattr("nanoserve.attention.prefill.PREFIX_PIECE", 5)
     return request.param
 
 
@@ -201,13 +206,31 @@ def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch
     calls = []
     real = prefill.attention_with_lse
     monkeypatch.setattr(prefill, "attention_with_lse",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     q, k, v = random_qkv(16, 48, 4, 2, 8, torch.float32, "cpu", 0)
     chunk_attention(q, k[48:], v[48:], k[:48], v[:48], 0.3)
     assert calls == []  # 16 * 64 < SPLIT_MIN_WORK: one SDPA call
     monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 16 * 64)
     chunk_attention(q, k[48:], v[48:], k[:48], v[:48], 0.3)
     assert calls == [16, 16]
+
+
+def test_a_long_prefix_is_read_in_pieces_of_prefix_piece_tokens(monkeypatch):
+    """The prefix reader is asked for [0, 5), [5, 10), ... [20, 23): never more than a piece
+    (the memory bound), every token once, in order; the result is float64's."""
+    import nanoserve.attention.prefill as prefill
+
+    monkeypatch.setattr(prefill, "PREFIX_PIECE", 5)
+    q, k, v = random_qkv(7, 23, 4, 2, 8, torch.float32, "cpu", 3)
+    asked = []
+
+    def read(lo, hi):
+        asked.append((lo, hi))
+        return k[lo:hi], v[lo:hi]
+
+    out = prefill.attend_after_prefix(q, k[23:], v[23:], 23, read, 0.3)
+    assert asked == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    assert (out.double() - reference(q, k, v, 23, 0.3)).abs().max() < 1e-5
 
 
 def test_varlen_only_for_many_short_fresh_prompts():

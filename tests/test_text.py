@@ -27,3 +27,21 @@ def test_a_one_page_one_layer_kv_cache_is_described_in_the_singular():
     assert kv.describe() == ("KV cache (float32, 64 bytes per token): 1 page of 1 token = "
                              "1 token; all 1 layer resident: KV fits the device, nothing "
                              "streams")
+
+
+def test_the_kv_cache_says_when_one_max_length_sequence_cannot_fit():
+    """9 pages of 4 tokens (8 usable) hold 31 tokens of a prompt and its next token: 31 fits
+    and 32 does not, with the fix for each kind of budget."""
+    spec = KVSpec(2, 4, 1, 8, torch.float32)
+    resident = KVManager(spec, KVBudget(9 * spec.page_bytes(), 0, False, 1, 8, 2),
+                         torch.device("cpu"))
+    assert resident.shortfall(31) is None
+    assert resident.shortfall(32) == (
+        "the KV cache holds 31 tokens, fewer than max_model_len (32): the GPU KV budget "
+        f"({9 * spec.page_bytes() / 2**30:.4g} GiB) bound it; longer prompts will be refused "
+        "(raise --gpu-memory-utilization, or --enable-offload to keep KV in host memory)")
+    offloaded = KVManager(spec, KVBudget(2**30, 9 * spec.page_bytes(), True, 1, 100, 2, 0),
+                          torch.device("cpu"))
+    assert offloaded.capacity == 8  # every layer streamed: the host holds 9 pages (1 dummy)
+    assert offloaded.shortfall(100).endswith(
+        "longer prompts will be refused (raise --host-kv-budget or --gpu-memory-utilization)")

@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU for synth;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth;
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -92,10 +92,11 @@ for w in $what; do
             # Llama shape, FP8 KV, each prompt's KV written instead of prefilled
             # (--synthetic-prefill); SYNTH_MODE offload-graph (the residency plan splits GPU
             # and host; an H100's 1M, an H200's 2M) or resident-graph; SYNTH_CPU: the CPU split's
-            # settings (default off,auto: the link alone, then the CPU beside it)
+            # settings (default off,auto: the link alone, then the CPU beside it); SYNTH_ARGS:
+            # more bench arguments (2M on an H200: --host-kv-budget 48)
       run python3 bench_offload.py --model Llama-3-8B-1048k --input-len ${SYNTH_LEN:-1048576} \
         --output-len 16 --${SYNTH_MODE:-offload-graph} --resident-layers -1 \
-        --cpu-attention ${SYNTH_CPU:-off,auto} \
+        --cpu-attention ${SYNTH_CPU:-off,auto} ${SYNTH_ARGS:-} \
         --kv-cache-dtype fp8 --synthetic-prefill --out "$OUT/synth" 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tail -16 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)

@@ -16,11 +16,20 @@ one each, and the engine builds those at start (`build_causal_plans`). torch key
 shapes and strides (cuDNN gets contiguous q, k, v, as at start) and caches it per thread: the
 thread that runs the engine's steps builds them (LLMEngine.prepare_thread).
 
+A long prefix is read and attended in pieces of PREFIX_PIECE tokens, merged by log-sum-exp:
+its gather (FP8 dequantized to the model's dtype) takes bounded memory at any context, where a
+2M-token prefix read whole took 13 GB of temporaries a layer, and a long prompt's chunks share
+plans: every full piece has one shape, and the last piece's length (the prefix modulo the
+piece, a multiple of the chunk) takes PREFIX_PIECE / chunk values over a whole prompt, where
+the prefix read whole took a new length, and a plan build, at every chunk.
+
 A step of many short fresh prompts (no prefix) goes through one FA2 varlen call instead of a
 call per prompt: 2.3x faster at 16 x 512 tokens, where each per-prompt call fills few SMs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +47,12 @@ aten = torch.ops.aten
 SPLIT_MIN_WORK = 1 << 26
 # fresh prompts at most this long, two or more in a step, share one varlen call
 VARLEN_MAX_LEN = 1024
+# a prefix is read and attended this many tokens at a time (module docstring): a piece's
+# gather takes at most 0.8 GB (FP8 cache, 8 KV heads of 128), its partials are merged in float32
+PREFIX_PIECE = 1 << 17
+
+# reads a prefix's tokens [lo, hi) as K and V [hi - lo, kv_heads, d] in the model's dtype
+PrefixReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -93,11 +108,12 @@ def build_causal_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, planless: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [T, H, d] over k, v [S, Hkv, d], causal (top-left, T == S) or not, and
-    its natural log-sum-exp per head and query, float32 [H, T]."""
+    its natural log-sum-exp per head and query, float32 [H, T]. `planless`: not through cuDNN
+    (a new shape's plan costs more than the call's work), heads expanded."""
     t, h = q.shape[0], q.shape[1]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not planless:
         q, k, v = pad_queries(q, k, v, causal)  # a plan per padded shape, not per length
         out = aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True,
                                                        0.0, causal, False, scale=scale)
@@ -125,19 +141,51 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
+@fused
+def merge_with_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_partials kept in float32, with the merged log-sum-exp: for more than two parts."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return o1 * w1 + o2.float() * w2, lse
+
+
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix: torch.Tensor,
                     v_prefix: torch.Tensor, scale: float) -> torch.Tensor:
     """A chunk's queries over its prefix's keys (all visible) and its own (causal)."""
-    t, p = q.shape[0], k_prefix.shape[0]
-    if 0 < p and t * (p + t) < SPLIT_MIN_WORK:
+    return attend_after_prefix(q, k, v, k_prefix.shape[0],
+                               lambda lo, hi: (k_prefix[lo:hi], v_prefix[lo:hi]), scale)
+
+
+def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                        read_prefix: PrefixReader, scale: float) -> torch.Tensor:
+    """A chunk's queries [T, H, d] over its prefix of `prefix_len` tokens (all visible, read in
+    pieces of PREFIX_PIECE) and over its own keys [T, Hkv, d] (causal)."""
+    t, p = q.shape[0], prefix_len
+    small = t * (p + t) < SPLIT_MIN_WORK  # less work than a cuDNN plan build
+    if 0 < p <= PREFIX_PIECE and small:
+        k_prefix, v_prefix = read_prefix(0, p)
         return _one_kernel(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), scale)
     o, lse = attention_with_lse(q, k, v, True, scale)
     if p == 0:
         return o
-    op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale)
-    # contiguous [T, H], the layout the merge was compiled for at start (a strided one would
-    # compile it again inside a request)
-    return merge_partials(op, lsep.t().contiguous(), o, lse.t().contiguous())
+    # contiguous [T, H], the layout the merges were compiled for at start (a strided one would
+    # compile them again inside a request)
+    lse = lse.t().contiguous()
+    parts = None
+    for lo in range(0, p, PREFIX_PIECE):
+        hi = min(p, lo + PREFIX_PIECE)
+        k_prefix, v_prefix = read_prefix(lo, hi)
+        # a full piece's shape recurs (its plan is built once); a short last piece's may not
+        op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale,
+                                      planless=hi - lo < PREFIX_PIECE and
+                                      t * (hi - lo) < SPLIT_MIN_WORK)
+        lsep = lsep.t().contiguous()
+        if p <= PREFIX_PIECE:  # one piece
+            return merge_partials(op, lsep, o, lse)
+        parts = (op.float(), lsep) if parts is None else merge_with_lse(*parts, op, lsep)
+    return merge_partials(o, lse, *parts)
 
 
 def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,17 +199,19 @@ def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int,
-              scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
-    """A sequence's first `length` tokens from the paged cache, as [length, kv_heads, d] in
-    `dtype` (default: the cache's); an FP8 cache with its `scales` is dequantized."""
-    n = (length + cache.shape[1] - 1) // cache.shape[1]
+              scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+              start: int = 0) -> torch.Tensor:
+    """A sequence's tokens [start, length) from the paged cache, as [length - start, kv_heads,
+    d] in `dtype` (default: the cache's); an FP8 cache with its `scales` is dequantized."""
+    size = cache.shape[1]
+    first, n = start // size, (length + size - 1) // size
+    tokens = slice(start - first * size, length - first * size)
     if scales is None:
-        kv = cache.index_select(0, pages[:n]).flatten(0, 1)[:length]
+        kv = cache.index_select(0, pages[first:n]).flatten(0, 1)[tokens]
         return kv if dtype is None else kv.to(dtype)
-    values = cache.view(torch.uint8).index_select(0, pages[:n]).view(cache.dtype)
-    return dequantize(values.flatten(0, 1)[:length],
-                      scales.index_select(0, pages[:n]).flatten(0, 1)[:length], dtype)
+    values = cache.view(torch.uint8).index_select(0, pages[first:n]).view(cache.dtype)
+    return dequantize(values.flatten(0, 1)[tokens],
+                      scales.index_select(0, pages[first:n]).flatten(0, 1)[tokens], dtype)
 
 
 def read_kv(layer, slot_mapping: torch.Tensor, dtype: torch.dtype
@@ -189,10 +239,14 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
     for i, (qlen, plen) in enumerate(zip(ctx.query_lens, ctx.prefix_lens, strict=True)):
         end = start + qlen
         pages = ctx.page_tables[i]
-        kp = gather_kv(layer.k_cache, pages, plen, layer.k_scale, q.dtype)
-        vp = gather_kv(layer.v_cache, pages, plen, layer.v_scale, q.dtype)
-        out[start:end] = chunk_attention(q[start:end], k[start:end], v[start:end], kp, vp,
-                                         layer.scale)
+
+        def read(lo: int, hi: int, pages: torch.Tensor = pages
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            return (gather_kv(layer.k_cache, pages, hi, layer.k_scale, q.dtype, lo),
+                    gather_kv(layer.v_cache, pages, hi, layer.v_scale, q.dtype, lo))
+
+        out[start:end] = attend_after_prefix(q[start:end], k[start:end], v[start:end], plen,
+                                             read, layer.scale)
         start = end
     return out
 

@@ -63,6 +63,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.kv = self.runner.kv
+        if (short := self.kv.shortfall(self.max_model_len)) is not None:
+            log.warning(short)
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)

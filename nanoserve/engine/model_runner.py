@@ -10,7 +10,7 @@ import torch
 
 from nanoserve import fused
 from nanoserve.attention import select_backend
-from nanoserve.attention.prefill import merge_partials
+from nanoserve.attention.prefill import PREFIX_PIECE, merge_partials, merge_with_lse
 from nanoserve.config import EngineConfig
 from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
@@ -125,15 +125,17 @@ class ModelRunner:
         self.inputs.cpu_split = self.inputs.cpu_split.calibrated(gap, work, nbytes, loaded)
 
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
-        """Compiles the prefill merge (and FP8's dequantize, for any token count and for one)
-        now, not in the first request that has a cached prefix (the other fused kernels
-        compile in graph capture and in the engine's warm-up prompts, warm_up_prompts, which
-        have no prefix)."""
+        """Compiles the prefill merges (a prefix in one piece and in several: attention/
+        prefill.py) and FP8's dequantize, for any token count and for one, now, not in the
+        first request that has a cached prefix (the other fused kernels compile in graph
+        capture and in the engine's warm-up prompts, warm_up_prompts, which have no prefix)."""
         heads = self.model.attention_layers[0].num_heads
-        o = torch.zeros(2, heads, self.mcfg.head_dim, dtype=self.dtype,
-                        device=self.device)
-        lse = torch.zeros(2, heads, device=self.device)
-        merge_partials(o, lse, o, lse)
+        for n in (2, 1):
+            o = torch.zeros(n, heads, self.mcfg.head_dim, dtype=self.dtype, device=self.device)
+            lse = torch.zeros(n, heads, device=self.device)
+            merge_partials(o, lse, o, lse)
+            parts = merge_with_lse(o.float(), lse, o, lse)
+            merge_partials(o, lse, *parts)
         if spec.quantized:
             for n in (2, 1):
                 values = torch.zeros(n, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
@@ -187,14 +189,18 @@ class ModelRunner:
         return GiB  # CPU: enough for tests and the embedded model
 
     def _profile_free_bytes(self, spec: KVSpec) -> int:
-        """KV bytes left after the model and a prefill of the largest chunk (its activations)."""
+        """KV bytes left after the model and a prefill of the largest chunk (its activations)
+        after a prefix of a piece (attention/prefill.py reads a longer one piece by piece)."""
         # a mixed step: a full chunk and a decode row per running sequence
         n = min(self.cfg.max_num_batched_tokens + self.cfg.max_num_seqs, self.max_model_len)
-        num_pages = pages_needed(n, spec.page_size) + 1
-        scratch = spec.empty(spec.num_layers, num_pages, self.device)
-        bind_kv(self.model.attention_layers, spec, scratch)
+        prefix = min(PREFIX_PIECE, self.max_model_len - n)
+        num_pages = pages_needed(prefix + n, spec.page_size) + 1
+        # one layer's scratch KV, read by every layer: the KV pool has its own budget
+        scratch = spec.empty(1, num_pages, self.device)
+        bind_kv(self.model.attention_layers, spec, [scratch[0]] * spec.num_layers)
         torch.cuda.reset_peak_memory_stats()
-        seq = Sequence([0] * n, SamplingParams(max_tokens=1))
+        seq = Sequence([0] * (prefix + n), SamplingParams(max_tokens=1))
+        seq.num_cached = prefix
         seq.pages = list(range(1, num_pages))
         inputs = StepInputBuilder(spec.page_size, self.device).build(Batch(True, [seq], [n]))
         ctx = inputs.context()
@@ -205,7 +211,7 @@ class ModelRunner:
             # the largest head call a step makes: prompt scoring's
             score_rows(self.model.head, hidden, None, rows, torch.zeros_like(rows), 1)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()

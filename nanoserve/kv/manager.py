@@ -107,14 +107,29 @@ class KVManager:
         """Refuses a prompt that could never run, however empty the cache."""
         need = pages_needed(num_prompt_tokens + 1, self.spec.page_size)
         if need > self.capacity:
-            where = "the KV budget"
-            if self.budget.offload:
-                where = (f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.4g} GiB) with the "
-                         f"host KV budget ({self.budget.host_bytes / GiB:.4g} GiB)")
             raise InvalidParameter(
                 "prompt", f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
-                f"{self.spec.page_size} tokens; {where} holds {self.capacity}",
-                "kv_capacity_exceeded")
+                f"{self.spec.page_size} tokens; {self.describe_budgets()} holds "
+                f"{self.capacity}", "kv_capacity_exceeded")
+
+    def describe_budgets(self) -> str:
+        """The budgets that bound the pages, as a user sets them."""
+        if not self.budget.offload:
+            return f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.4g} GiB)"
+        return (f"the GPU KV budget ({self.budget.gpu_bytes / GiB:.4g} GiB) with the host KV "
+                f"budget ({self.budget.host_bytes / GiB:.4g} GiB, --host-kv-budget)")
+
+    def shortfall(self, max_model_len: int) -> str | None:
+        """Why one sequence of max_model_len tokens cannot fit, or None."""
+        held = self.capacity * self.spec.page_size - 1  # a prompt's next token takes a slot
+        if held >= max_model_len:
+            return None
+        fix = ("raise --host-kv-budget or --gpu-memory-utilization" if self.budget.offload
+               else "raise --gpu-memory-utilization, or --enable-offload to keep KV in host "
+               "memory")
+        return (f"the KV cache holds {plural(held, 'token')}, fewer than max_model_len "
+                f"({max_model_len}): {self.describe_budgets()} bound it; longer prompts will "
+                f"be refused ({fix})")
 
     # --- sequences -----------------------------------------------------------------------------
     def room(self, seq) -> int:
