@@ -45,6 +45,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   return out;
 }
 
+// e4m3 bytes 1 and 3 of x as float16 x 2^-8, exactly (normal and subnormal alike: the sign
+// stays, exponent and mantissa move right one bit, and float16's exponent bias, 8 more than
+// e4m3's, scales the value by 2^-8), in two integer instructions
+__device__ __forceinline__ uint32_t e4m3_odd_bytes_to_f16x2(uint32_t x) {
+  return (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+}
+
+// bytes 0 and 2, likewise
+__device__ __forceinline__ uint32_t e4m3_even_bytes_to_f16x2(uint32_t x) {
+  return e4m3_odd_bytes_to_f16x2(x << 8);
+}
+
 __device__ __forceinline__ uint32_t permute(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t out;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
@@ -145,8 +157,10 @@ __device__ __forceinline__ void copy_tile(const Fp8DecodeParams& p, Stage& st, i
 }
 
 // UPPER: the group has more than 8 heads, so the MMA rows g + 8 are heads too. STAGES: tiles
-// a warp has in shared memory, the one it computes and STAGES - 1 in flight
-template <bool UPPER, int STAGES>
+// a warp has in shared memory, the one it computes and STAGES - 1 in flight. BITS: e4m3 goes
+// to float16 by integer instructions (x 2^-8, undone in the scales) instead of cvt; K's
+// fragment then pairs a word's bytes (0, 2) and (1, 3), so Q's takes head_dim in that order
+template <bool UPPER, int STAGES, bool BITS>
 __global__ void __launch_bounds__(WARPS * 32)
 fp8_decode_split_kernel(const Fp8DecodeParams p) {
   extern __shared__ Stage stages[];  // [warp][STAGES]
@@ -193,10 +207,11 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     }
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
-      qa[t][0] = pack_f16(row[0][4 * t], row[0][4 * t + 1]);
-      qa[t][1] = pack_f16(row[1][4 * t], row[1][4 * t + 1]);
-      qa[t][2] = pack_f16(row[0][4 * t + 2], row[0][4 * t + 3]);
-      qa[t][3] = pack_f16(row[1][4 * t + 2], row[1][4 * t + 3]);
+      constexpr int second = BITS ? 2 : 1, third = BITS ? 1 : 2;
+      qa[t][0] = pack_f16(row[0][4 * t], row[0][4 * t + second]);
+      qa[t][1] = pack_f16(row[1][4 * t], row[1][4 * t + second]);
+      qa[t][2] = pack_f16(row[0][4 * t + third], row[0][4 * t + 3]);
+      qa[t][3] = pack_f16(row[1][4 * t + third], row[1][4 * t + 3]);
     }
   }
 
@@ -230,12 +245,15 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       const uint32_t w[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
 #pragma unroll
       for (int t = 0; t < 8; ++t)
-        mma(sc[n], qa[t], e4m3x2_to_f16x2(w[t] & 0xFFFF), e4m3x2_to_f16x2(w[t] >> 16));
+        if (BITS)
+          mma(sc[n], qa[t], e4m3_even_bytes_to_f16x2(w[t]), e4m3_odd_bytes_to_f16x2(w[t]));
+        else
+          mma(sc[n], qa[t], e4m3x2_to_f16x2(w[t] & 0xFFFF), e4m3x2_to_f16x2(w[t] >> 16));
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = t0 + 8 * n + 2 * j + e;
         const bool valid = tok >= start && tok < ctx;
-        const float mul = st.scale[2 * n + e][lane] * p.scale_log2;
+        const float mul = st.scale[2 * n + e][lane] * (BITS ? 256.f * p.scale_log2 : p.scale_log2);
         sc[n][e] = valid ? sc[n][e] * mul : -INFINITY;
         sc[n][2 + e] = valid ? sc[n][2 + e] * mul : -INFINITY;
       }
@@ -309,12 +327,21 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         // tokens (2j, 2j+1) and (2j+8, 2j+9), their bytes paired: columns 4w .. 4w+3
-        const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
-        const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
-        mma(o[4 * w + 0], pa, e4m3x2_to_f16x2(x01 & 0xFFFF), e4m3x2_to_f16x2(x89 & 0xFFFF));
-        mma(o[4 * w + 1], pa, e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x89 >> 16));
-        mma(o[4 * w + 2], pa, e4m3x2_to_f16x2(y01 & 0xFFFF), e4m3x2_to_f16x2(y89 & 0xFFFF));
-        mma(o[4 * w + 3], pa, e4m3x2_to_f16x2(y01 >> 16), e4m3x2_to_f16x2(y89 >> 16));
+        if (BITS) {  // bytes [a1 a0 b1 b0] and [a3 a2 b3 b2]: pairs (a0, b0) odd, (a1, b1) even
+          const uint32_t x01 = permute(a[w], bb[w], 0x4501), y01 = permute(a[w], bb[w], 0x6723);
+          const uint32_t x89 = permute(c[w], d[w], 0x4501), y89 = permute(c[w], d[w], 0x6723);
+          mma(o[4 * w + 0], pa, e4m3_odd_bytes_to_f16x2(x01), e4m3_odd_bytes_to_f16x2(x89));
+          mma(o[4 * w + 1], pa, e4m3_even_bytes_to_f16x2(x01), e4m3_even_bytes_to_f16x2(x89));
+          mma(o[4 * w + 2], pa, e4m3_odd_bytes_to_f16x2(y01), e4m3_odd_bytes_to_f16x2(y89));
+          mma(o[4 * w + 3], pa, e4m3_even_bytes_to_f16x2(y01), e4m3_even_bytes_to_f16x2(y89));
+        } else {
+          const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
+          const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
+          mma(o[4 * w + 0], pa, e4m3x2_to_f16x2(x01 & 0xFFFF), e4m3x2_to_f16x2(x89 & 0xFFFF));
+          mma(o[4 * w + 1], pa, e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x89 >> 16));
+          mma(o[4 * w + 2], pa, e4m3x2_to_f16x2(y01 & 0xFFFF), e4m3x2_to_f16x2(y89 & 0xFFFF));
+          mma(o[4 * w + 3], pa, e4m3x2_to_f16x2(y01 >> 16), e4m3x2_to_f16x2(y89 >> 16));
+        }
       }
     }
   }
@@ -342,8 +369,9 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   for (int n = 0; n < 16; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      o_s[warp][n][8 * g + 2 * j + e] = o[n][e] * v_ref;
-      o_s[warp][n][8 * (g + 8) + 2 * j + e] = o[n][2 + e] * v_ref;
+      const float unit = BITS ? 256.f * v_ref : v_ref;
+      o_s[warp][n][8 * g + 2 * j + e] = o[n][e] * unit;
+      o_s[warp][n][8 * (g + 8) + 2 * j + e] = o[n][2 + e] * unit;
     }
   __syncthreads();
   const int rows = UPPER ? p.group : min(p.group, 8);
@@ -370,37 +398,45 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 
 constexpr int MERGE_BYTES = (WARPS * 16 * (16 * 8 + 1) + 2 * WARPS * 16) * sizeof(float);
 
-template <bool UPPER, int STAGES>
+template <bool UPPER, int STAGES, bool BITS>
 const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = WARPS * STAGES * sizeof(Stage);
   static_assert(bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
   // past 48 KiB a kernel asks for its shared memory, on the current device (not a stream
   // operation: allowed while a graph captures, as flash-attn's launches do)
-  const cudaError_t asked = cudaFuncSetAttribute(
-      fp8_decode_split_kernel<UPPER, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t asked = cudaFuncSetAttribute(fp8_decode_split_kernel<UPPER, STAGES, BITS>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 bytes);
   if (asked != cudaSuccess) return cudaGetErrorString(asked);
-  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(p);
+  fp8_decode_split_kernel<UPPER, STAGES, BITS><<<grid, WARPS * 32, bytes, stream>>>(p);
   return nullptr;
 }
 
-template <bool UPPER>
+template <bool UPPER, bool BITS>
 const char* launch_stages(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
   switch (stages) {
-    case 2: return launch<UPPER, 2>(p, grid, stream);
-    case 3: return launch<UPPER, 3>(p, grid, stream);
-    case 4: return launch<UPPER, 4>(p, grid, stream);
+    case 2: return launch<UPPER, 2, BITS>(p, grid, stream);
+    case 3: return launch<UPPER, 3, BITS>(p, grid, stream);
+    case 4: return launch<UPPER, 4, BITS>(p, grid, stream);
     default: return "fp8_decode: 2 to 4 stages";
   }
+}
+
+template <bool UPPER>
+const char* launch_bits(const Fp8DecodeParams& p, dim3 grid, int stages, bool bits,
+                        cudaStream_t stream) {
+  return bits ? launch_stages<UPPER, true>(p, grid, stages, stream)
+              : launch_stages<UPPER, false>(p, grid, stages, stream);
 }
 
 }  // namespace
 
 const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
-                              cudaStream_t stream) {
+                              bool bits, cudaStream_t stream) {
   if (p.group < 1 || p.group > 16) return "fp8_decode: GQA groups of 1 to 16 heads";
   const dim3 grid(batch, kv_heads, p.num_splits);
-  const char* refused = p.group > 8 ? launch_stages<true>(p, grid, stages, stream)
-                                    : launch_stages<false>(p, grid, stages, stream);
+  const char* refused = p.group > 8 ? launch_bits<true>(p, grid, stages, bits, stream)
+                                    : launch_bits<false>(p, grid, stages, bits, stream);
   if (refused != nullptr) return refused;
   const cudaError_t err = cudaPeekAtLastError();  // (an earlier kernel's error would show too)
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
