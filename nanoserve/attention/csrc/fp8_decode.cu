@@ -14,8 +14,10 @@
 // - scores S = Q.K^T [16 (the group, padded), 8 tokens] per MMA: K is the B operand, whose
 //   fragment gives lane (g = lane / 4, j = lane % 4) token g of the 8 and four values of the
 //   MMA's k (head_dim) slice. A dot is a sum over head_dim in any order, so k-step t's
-//   values for lane j are taken as head_dim [32j + 4t, 32j + 4t + 4): over the 8 k-steps a
-//   lane reads its token's 32 contiguous bytes, two 16-byte loads. Q's A fragment uses the
+//   values for lane j are taken as head_dim 16j + 4t + [0, 4) for t < 4 and 64 + 16j +
+//   4(t - 4) + [0, 4) after: a lane reads two 16-byte pieces of its token, and each of the two
+//   copies of a warp reads whole 64-byte halves of 8 tokens (an earlier order, 32 contiguous
+//   bytes a lane, left every 32-byte sector half read by each copy). Q's A fragment uses the
 //   same order (loaded once).
 // - the accumulator of two such MMAs (16 tokens) is, element for element, the A fragment of
 //   O += P.V [16, 8 columns of head_dim] (FlashAttention-2's register reuse); V is its B
@@ -94,11 +96,22 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 
 template <int N>
 __device__ __forceinline__ void wait_until_pending() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+  // "memory": no shared memory read moves above the wait
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// a lane's 16-byte slot as one 128-bit shared load (the compiler split a uint4 copy into four
+// 32-bit loads, each a 4-way bank conflict across the warp)
+__device__ __forceinline__ uint4 load_slot(const uint4& slot) {
+  uint4 v;
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(&slot));
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at) : "memory");
+  return v;
 }
 
 // One tile's bytes for one warp, [chunk][lane]: 16 chunks of 16 bytes a lane (K: token
-// 8n + g's 32 bytes as chunks 2n and 2n + 1; V: chunk 8 + 4ks + i holds token
+// 8n + g's bytes 16j.. and 64 + 16j.. as chunks 2n and 2n + 1; V: chunk 8 + 4ks + i holds token
 // 16ks + 2j + (i & 1) + 8 (i >> 1), its 16 bytes at head_dim 16g) and 16 scales: K's of the
 // lane's tokens 8n + 2j + e at 2n + e, V's of the same tokens at 8 + 2n + e (which is
 // 8 + 4ks + i for V chunk (ks, i): the same token)
@@ -134,7 +147,7 @@ __device__ __forceinline__ void copy_tile(const Fp8DecodeParams& p, Stage& st, i
     const uint8_t* at = real ? k_head + page_of(tok) * p.stride_kp + (tok & page_mask) * p.stride_kt
                              : k_head;
     copy16(&st.data[2 * n][lane], at, real);
-    copy16(&st.data[2 * n + 1][lane], at + 16, real);
+    copy16(&st.data[2 * n + 1][lane], at + 64, real);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int t = t0 + 8 * n + 2 * j + e;
@@ -177,7 +190,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   const int32_t* table = p.page_table + b * p.stride_pt;
   Stage* mine = stages + warp * STAGES;
 
-  const uint8_t* k_head = p.k + kvh * p.stride_kh + 32 * j;
+  const uint8_t* k_head = p.k + kvh * p.stride_kh + 16 * j;
   const uint8_t* v_head = p.v + kvh * p.stride_vh + 16 * g;
   const float* ks_head = p.k_scale + kvh * p.stride_sh;
   const float* vs_head = p.v_scale + kvh * p.stride_sh;
@@ -201,9 +214,9 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int r = 0; r < 2; ++r) {
       const int head = g + 8 * r;
       const bool real = head < p.group && (r == 0 || UPPER);
-      const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 32 * j;
+      const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 16 * j;
 #pragma unroll
-      for (int i = 0; i < 32; ++i) row[r][i] = real ? q_value(p, at + i) : 0.f;
+      for (int i = 0; i < 32; ++i) row[r][i] = real ? q_value(p, at + i + (i < 16 ? 0 : 48)) : 0.f;
     }
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
@@ -241,7 +254,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      const uint4 k0 = st.data[2 * n][lane], k1 = st.data[2 * n + 1][lane];
+      const uint4 k0 = load_slot(st.data[2 * n][lane]), k1 = load_slot(st.data[2 * n + 1][lane]);
       const uint32_t w[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
 #pragma unroll
       for (int t = 0; t < 8; ++t)
@@ -318,8 +331,10 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
           UPPER ? pack_f16(lo[2] * rel[0], lo[3] * rel[1]) : 0u,
           pack_f16(hi[0] * rel[2], hi[1] * rel[3]),
           UPPER ? pack_f16(hi[2] * rel[2], hi[3] * rel[3]) : 0u};
-      const uint4 va = st.data[8 + 4 * ks][lane], vb = st.data[9 + 4 * ks][lane];
-      const uint4 vc = st.data[10 + 4 * ks][lane], vd = st.data[11 + 4 * ks][lane];
+      const uint4 va = load_slot(st.data[8 + 4 * ks][lane]);
+      const uint4 vb = load_slot(st.data[9 + 4 * ks][lane]);
+      const uint4 vc = load_slot(st.data[10 + 4 * ks][lane]);
+      const uint4 vd = load_slot(st.data[11 + 4 * ks][lane]);
       const uint32_t a[4] = {va.x, va.y, va.z, va.w};
       const uint32_t bb[4] = {vb.x, vb.y, vb.z, vb.w};
       const uint32_t c[4] = {vc.x, vc.y, vc.z, vc.w};
