@@ -210,7 +210,7 @@ def test_triton_decode_fp8_under_an_fp32_query_is_tight(transposed):
     q = torch.randn(3, 16, 64, device="cuda", generator=gen)
     out = paged_decode_attention(q, k, v, table, lens_t, 0.125, 8, k_scale=k_scale,
                                  v_scale=v_scale,
-                                 tiles=TILES["fp8"]._replace(transposed=transposed))
+                                 tiles=TILES["fp8"]._replace(transposed=transposed, cuda=False))
     ref = reference_decode(q, dequantize.eager(k, k_scale, torch.float64),
                            dequantize.eager(v, v_scale, torch.float64), table, lens_t, 0.125)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

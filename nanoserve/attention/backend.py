@@ -40,6 +40,13 @@ class AttentionBackend(ABC):
         build_causal_plans(num_heads, num_kv_heads, head_dim, dtype, device, max_tokens,
                            progress)
 
+    def build_decode_kernels(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, kv_dtype: torch.dtype,
+                             device: torch.device) -> None:
+        """Whatever decode builds or loads at first use (a compiled extension), built and
+        run once at start: not inside a request, and not while a CUDA graph captures."""
+        return None
+
     def prepare_capture(self, ctx: ForwardContext, bs: int) -> None:
         self.prepare(ctx)
 

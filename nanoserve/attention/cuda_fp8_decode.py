@@ -7,7 +7,6 @@ where it cannot be built, or for other shapes, attention/triton_decode.py's kern
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -18,8 +17,6 @@ from nanoserve.attention.extensions import load_extension
 log = logging.getLogger("nanoserve")
 
 CSRC = Path(__file__).parent / "csrc"
-# e4m3 -> float16 by integer instructions, not cvt (an A/B switch while both are measured)
-CONVERT_BITS = os.environ.get("NANOSERVE_FP8_CONVERT", "bits") == "bits"
 HEAD_DIM, MAX_GROUP = 128, 16
 
 
@@ -73,6 +70,6 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
         refused = _extension().decode_partials(
             q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, starts, mid_o,
-            mid_lse, scale, page_size.bit_length() - 1, stages, CONVERT_BITS, stream)
+            mid_lse, scale, page_size.bit_length() - 1, stages, stream)
     if refused:
         raise RuntimeError(refused)

@@ -16,6 +16,7 @@ from nanoserve.attention.triton_decode import (
     merge_partials,
     num_splits_for,
     paged_decode_attention,
+    warm_decode,
 )
 from nanoserve.attention.triton_rope_store import rope_and_store
 from nanoserve.context import AttentionMetadata, ForwardContext
@@ -73,6 +74,9 @@ class TritonBackend(AttentionBackend):
         if isinstance(m, VarlenPrefillMetadata) and q.dtype in (torch.bfloat16, torch.float16):
             return varlen_prefill(q, k, v, m.cu_seqlens, m.max_len, layer.scale)
         return paged_prefill(q, k, v, layer, ctx)
+
+    def build_decode_kernels(self, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, device):
+        warm_decode(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, device)
 
     def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,

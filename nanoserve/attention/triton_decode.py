@@ -59,9 +59,8 @@ class Tiles(NamedTuple):
     split_factor: int = 1
     tma: bool = False  # K/V tiles through TMA descriptors (async copies to shared memory)
     transposed: bool = False  # scores [tokens, group], accumulator [head_dim, group]
-    # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it builds. Off in TILES
-    # until it has run on a GPU: written in session 18 with no device time left, compiled for
-    # sm_90 only (220 registers, no spills); its GPU tests name it
+    # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it builds, num_stages
+    # tiles deep; Triton's where it does not
     cuda: bool = False
 
 
@@ -73,11 +72,29 @@ class Tiles(NamedTuple):
 # splits: 1 x 32K 41.0 us, 1 x 128K 128.7 us (bfloat16 dots: 46.0, 150.5), 64 x 512 40.8 us
 # with one split; "fp8-batched" takes over above SMALL_BATCH, a threshold between the measured
 # points. TMA made FP8 slower (143.4 us against 139.4 at 128K, bfloat16 dots). Transposed
-# dots: FP8 and batched bf16 (module docstring).
+# dots: FP8 and batched bf16 (module docstring). At small batches FP8 runs the CUDA kernel,
+# 3 tiles deep (session 19, 1 x 128K: 107.9 us against Triton's 111.3; 1 x 1M: 724.7 against
+# 774.3; 64 x 512, equal, stays Triton's); Triton's takes 3 stages too where it runs instead.
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
-         "fp8": Tiles(128, 4, 2, f16_dot=True, split_factor=2, transposed=True),
+         "fp8": Tiles(128, 4, 3, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
 SMALL_BATCH = 8
+
+
+def warm_decode(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Builds (up to a minute, once per machine) and runs once the decode kernel compiled
+    outside Triton, FP8's CUDA kernel, for this model's shape: at start, not in a request, and
+    not first loaded while a CUDA graph captures."""
+    if device.type != "cuda" or kv_dtype.itemsize != 1 or not TILES["fp8"].cuda:
+        return
+    k = torch.zeros(2, 256, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
+    scales = torch.ones(2, 256, num_kv_heads, device=device)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    table = torch.ones(1, 1, dtype=torch.int32, device=device)
+    lens = torch.full((1,), 256, dtype=torch.int32, device=device)
+    paged_decode_attention(q, k, k, table, lens, 1.0, 2, k_scale=scales, v_scale=scales)
+    torch.cuda.synchronize(device)
 
 
 def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int = 128) -> Tiles:

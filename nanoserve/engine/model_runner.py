@@ -111,6 +111,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._compile_prefill_kernels(spec)
             self.build_prefill_plans(progress)
+            self.backend.build_decode_kernels(attn.num_heads, attn.num_kv_heads,
+                                              self.mcfg.head_dim, self.dtype, kv_dtype,
+                                              self.device)
         self.graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and \
                 self.backend.supports_graphs:

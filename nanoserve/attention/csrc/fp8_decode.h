@@ -31,8 +31,7 @@ struct Fp8DecodeParams {
   bool q_bf16;
 };
 
-// Launches stage 1 on `stream` with `stages` tiles in shared memory per warp (2 to 4), e4m3
-// converted by integer instructions (`bits`) or by cvt: "" or why it was refused (no
-// exceptions cross the module)
+// Launches stage 1 on `stream` with `stages` tiles in shared memory per warp (2 to 4): "" or
+// why it was refused (no exceptions cross the module)
 const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
-                              bool bits, cudaStream_t stream);
+                              cudaStream_t stream);
