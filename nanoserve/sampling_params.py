@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nanoserve.errors import InvalidParameter, is_finite_number
+from nanoserve.structured_outputs import StructuredOutputs
 
 __all__ = ["InvalidParameter", "SamplingParams"]
 
@@ -66,6 +67,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    # the output must match this (a JSON schema, a regex, ...): constrained decoding
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized values are written once, here
@@ -95,6 +98,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameter("ignore_eos", f"ignore_eos must be a boolean, got "
                                                  f"{_short(self.ignore_eos)}")
+        if not isinstance(self.structured_outputs, (StructuredOutputs, type(None))):
+            raise InvalidParameter("structured_outputs", f"structured_outputs must be a "
+                                   f"StructuredOutputs, got {_short(self.structured_outputs)}")
 
     @property
     def greedy(self) -> bool:

@@ -297,6 +297,14 @@ LABELS = [  # (endpoint, body, param, code)
     (CHAT, {"messages": [{"role": "user", "content": "grass " * 1000}], "max_tokens": 4},
      "messages", "kv_capacity_exceeded"),
     (CHAT, {}, "messages", None),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "response_format", None),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format", None),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", None),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}}},
+     "response_format", None),
 ]
 
 
@@ -317,8 +325,6 @@ def test_valid_edge_values_run(server):
 # --- item 7: parameters that are not implemented are refused by name ----------------------------
 
 UNSUPPORTED = [  # (endpoint, extra fields, param)
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -334,6 +340,7 @@ UNSUPPORTED = [  # (endpoint, extra fields, param)
 ]
 ACCEPTED = [
     (CHAT, {"response_format": {"type": "text"}}),
+    (CHAT, {"response_format": {"type": "json_object"}}),
     (CHAT, {"tool_choice": "none"}),
     (CHAT, {"tools": []}),
     (CHAT, {"modalities": ["text"]}),
@@ -369,8 +376,8 @@ def test_unsupported_unknown_and_harmless_parameters(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=MSG, max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert (e.value.param, e.value.code) == ("response_format", "unsupported_parameter")
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert (e.value.param, e.value.code) == ("tools", "unsupported_parameter")
     assert_healthy(server)
 
 

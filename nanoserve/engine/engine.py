@@ -13,6 +13,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.parallel_state import destroy_tp, init_tp
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers, rank_device
+from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.model_runner import LaunchedStep, ModelRunner, build_worker_runner
 from nanoserve.engine.sampler import derive_seed
 from nanoserve.engine.scheduler import Batch, Scheduler
@@ -75,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len, eos, detok,
                                    mixed_steps=self.kv.streamer is None)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos)
         self.sequences: dict[int, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         self._launched: LaunchedStep | None = None  # async scheduling: the step in flight
@@ -163,6 +165,8 @@ class LLMEngine:
             if bad:
                 raise InvalidParameter(name, f"{name}: token id {bad[0]} is not in the "
                                              f"vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Queues the request's `params.n` sequences (one per completion, index 0..n-1).
@@ -181,6 +185,9 @@ class LLMEngine:
             params.replace(prompt_logprobs=None)
         seqs = [Sequence(ids, params if i == 0 else unscored, i, derive_seed(base, i))
                 for i in range(params.n)]
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.grammar = self.grammars.start(params.structured_outputs)
         for seq in seqs:
             self.scheduler.add(seq)
             self.sequences[seq.seq_id] = seq
@@ -228,15 +235,16 @@ class LLMEngine:
     def _can_launch_ahead(self) -> bool:
         """Whether the next step may launch before the step in flight is read: a plain decode
         step (no prefill, no preemption) whose sampling reads nothing the host has not seen
-        (no penalties, no logprobs). Under tensor parallelism rank 0 sends each launched step's
-        ids to the workers on the device (ModelRunner.launch). With streamed layers the next
+        (no penalties, no logprobs, no grammar: its mask needs the token in flight). Under
+        tensor parallelism rank 0 sends each launched step's ids to the workers on the device
+        (ModelRunner.launch). With streamed layers the next
         step's loads then queue on the copy stream behind this step's, so the link never waits
         for the host between steps; the streamer's ordering is all on the device
         (offload/streamer.py), and a step's plan counts the tokens still in flight."""
         return (self.cfg.async_scheduling
                 and self.scheduler.next_step_is_plain_decode()
-                and all(not s.params.has_penalties and s.params.logprobs is None
-                        for s in self.scheduler.running))
+                and all(not s.params.has_penalties and s.params.logprobs is None and
+                        s.grammar is None for s in self.scheduler.running))
 
     def _launch(self, batch: Batch) -> list[Sequence]:
         """Launches `batch` behind the step in flight, then reads that one's tokens."""

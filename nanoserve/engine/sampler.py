@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.engine.grammar import allowed_token_masks
 from nanoserve.engine.token_stats import TokenStats
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [B, M] (pad: vocab), values
     num_logprobs: int  # most alternatives any row asked for; -1: no row wants logprobs
     logprobs: list[int | None]  # per row: alternatives it asked for, None: no logprobs
+    # rows under a grammar (int64 [R]) and their allowed tokens as bits (int32 [R, V / 32])
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -104,13 +107,20 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
     len(token_ids)). `stats`: the engine's per-sequence token statistics (penalties); without
     them, built for this call. None when every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
-    if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
-           for p in params):
+    constrained = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+    if not constrained and all(p.greedy and not p.has_penalties and not p.logit_bias and
+                               p.logprobs is None for p in params):
         return None
 
     def put(data, dtype) -> torch.Tensor:
         t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+        return (t.pin_memory() if pin and not t.is_pinned() else t).to(device,
+                                                                        non_blocking=True)
+
+    allowed = None
+    if constrained:  # host work while the device runs the forward queued before this
+        masks = allowed_token_masks([seqs[i].grammar for i in constrained], vocab)
+        allowed = (put(constrained, torch.int64), put(masks, torch.int32))
 
     greedy = [p.greedy for p in params]
     sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
@@ -150,7 +160,7 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
         use_min_p=any(p.min_p > 0.0 for p in sampled), penalties=penalties,
         logit_bias=logit_bias,
         num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-        logprobs=[p.logprobs for p in params])
+        logprobs=[p.logprobs for p in params], allowed=allowed)
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
@@ -171,6 +181,17 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
     full = torch.zeros(b, vocab + 1, dtype=logits.dtype, device=logits.device)
     full.scatter_add_(1, ids, values)
     return logits + full[:, :vocab]
+
+
+def apply_allowed(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+    """-inf for every token a row's grammar does not allow; other rows unchanged."""
+    rows, masks = allowed
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    bits = ((masks[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    constrained = logits.index_select(0, rows).masked_fill(~bits, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
 
 
 CHUNK = 1024  # columns per chunk of PrefixSums
@@ -299,6 +320,8 @@ def _draw_tokens(logits: torch.Tensor, t: SamplingTensors,
     if t.logit_bias is not None:
         logits = apply_logit_bias(logits, t.logit_bias)
         key_dtype = None
+    if t.allowed is not None:
+        logits = apply_allowed(logits, t.allowed)
     if t.all_greedy:
         return logits.argmax(-1)
     # Every sampled row draws in the same (sorted) order whatever its batch holds: a row's

@@ -239,6 +239,11 @@ class Scheduler:
             seq.token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.grammar is not None and (error := seq.grammar.accept(tok)) is not None:
+                seq.error = f"structured output: {error}"
+                self.finish(seq, "error")
+                finished.append(seq)
+                continue
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self.finish(seq, reason)
@@ -248,6 +253,8 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if not p.ignore_eos and tok in self.eos_token_ids or tok in p.stop_token_ids:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.done:
             return "stop"
         if p.stop and self.detokenize is not None:
             # Only the recent tokens can complete a stop string (earlier ones were checked in

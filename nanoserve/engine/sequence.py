@@ -6,6 +6,7 @@ import itertools
 import time
 from enum import Enum
 
+from nanoserve.engine.grammar import SequenceGrammar
 from nanoserve.engine.prompt_logprobs import UnreadScores
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.grammar: SequenceGrammar | None = None  # constrained decoding (structured outputs)
 
     @property
     def num_tokens(self) -> int:

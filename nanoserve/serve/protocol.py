@@ -19,6 +19,7 @@ from typing import Any
 from nanoserve.errors import InvalidParameter
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.structured_outputs import StructuredOutputs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters per stop string
@@ -107,6 +108,8 @@ class ParsedRequest:
             return "top_logprobs"
         if field == "prompt_logprobs":  # set from logprobs, for echo
             return "logprobs"
+        if field == "structured_outputs" and self.chat:
+            return "response_format"
         return field
 
 
@@ -215,6 +218,8 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
     kwargs["logprobs"] = parse_logprobs(body, chat)
+    if chat:
+        kwargs["structured_outputs"] = parse_response_format(body.get("response_format"))
     if echo:  # the echoed prompt's logprobs, as many alternatives as the output's
         kwargs["prompt_logprobs"] = kwargs["logprobs"]
     req = ParsedRequest(chat, prompts, messages, max_tokens, max_param,
@@ -238,9 +243,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         return body.get(name)
 
     if chat:
-        fmt = given("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise unsupported("response_format", "supports only {\"type\": \"text\"}")
         for name in ("functions", "tools"):
             if given(name) not in (None, []):
                 raise unsupported(name, "is not supported: no tool or function calling")
@@ -259,6 +261,33 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         best_of = given("best_of")
         if best_of is not None and not _is_int(best_of):
             raise invalid("best_of", f"'best_of' must be an integer, got {short(best_of)}")
+
+
+def parse_response_format(fmt: Any) -> StructuredOutputs | None:
+    """OpenAI's response_format: text (nothing to enforce), json_object, or json_schema with
+    its schema (`strict` or not, the schema is enforced by constrained decoding)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise invalid("response_format", "'response_format.json_schema' must be an object "
+                                             "with a 'name' and a 'schema'")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise invalid("response_format", f"'response_format.json_schema.schema' must be "
+                                             f"a JSON schema object, got {short(schema)}")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise invalid("response_format", "'response_format.json_schema.strict' must be a "
+                                             "boolean")
+        return StructuredOutputs(json=schema)
+    raise invalid("response_format", f"'response_format.type' must be 'text', 'json_object' "
+                                     f"or 'json_schema', got {short(kind)}")
 
 
 def parse_prompts(prompt: Any) -> list[str | list[int]]:

@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.attention.triton_decode import TILES, num_splits_for, paged_decode_attention
 from nanoserve.kv.fp8_format import FP8
-from tools.tune_decode import D, KV_HEADS, case
+from tools.tune_decode import KV_HEADS, D, case
 
 
 def main() -> None:

@@ -1,0 +1,99 @@
+"""Constrained decoding through llguidance: a constrained sequence's grammar state, advanced by
+each token it samples, and a step's allowed-token masks. The masks are computed on the host in
+one parallel call (llguidance's executor) while the device runs the step's forward, and applied
+on the device inside the batched sampler (sampler.apply_allowed); rows without a grammar take no
+part in either."""
+
+from __future__ import annotations
+
+from functools import cache, lru_cache
+
+import torch
+
+from nanoserve.errors import InvalidParameter
+from nanoserve.structured_outputs import FIELD, StructuredOutputs
+
+
+@cache
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as e:  # a dependency of the project: a broken install
+        raise InvalidParameter(FIELD, f"structured outputs need llguidance ({e}); pip install "
+                                      f"llguidance") from e
+    return llguidance
+
+
+@cache
+def _executor():
+    return _llguidance().LLExecutor()
+
+
+class SequenceGrammar:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> str | None:
+        """Advances by the sampled token; why the grammar cannot go on, or None."""
+        self.matcher.consume_token(token)
+        if self.matcher.is_error():
+            return self.matcher.get_error() or "the token is not allowed"
+        return None
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end may follow."""
+        return self.matcher.is_stopped()
+
+
+class Grammars:
+    """The engine's grammar compiler: its tokenizer's view for llguidance (built at the first
+    constrained request) and each distinct spec's compiled grammar (cached)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_ids
+
+    @property
+    def _ll_tokenizer(self):
+        if not hasattr(self, "_tok"):
+            if self.tokenizer is None:
+                raise InvalidParameter(FIELD, "structured outputs need the model's tokenizer; "
+                                              "this model has none")
+            lg = _llguidance()
+            self._tok = lg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                             eos_token=list(self.eos) or None)
+        return self._tok
+
+    @lru_cache(maxsize=256)  # noqa: B019 (one engine's compiler lives as long as the engine)
+    def compile(self, spec: StructuredOutputs) -> str:
+        """The spec's grammar; InvalidParameter (a 400) when it does not compile."""
+        lg = _llguidance()
+        fmt, text = spec.llguidance_grammar()
+        try:
+            grammar = lg.grammar_from(fmt, text)
+        except ValueError as e:
+            raise InvalidParameter(FIELD, f"{FIELD}: {e}") from e
+        error = lg.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        if error:
+            raise InvalidParameter(FIELD, f"{FIELD}: the grammar does not compile: {error}")
+        return grammar
+
+    def start(self, spec: StructuredOutputs) -> SequenceGrammar:
+        matcher = _llguidance().LLMatcher(self._ll_tokenizer, self.compile(spec))
+        if matcher.is_error():
+            raise InvalidParameter(FIELD, f"{FIELD}: {matcher.get_error()}")
+        return SequenceGrammar(matcher)
+
+
+def allowed_token_masks(grammars: list[SequenceGrammar], vocab_size: int) -> torch.Tensor:
+    """Each grammar's allowed next tokens as bits, int32 [len(grammars), ceil(V / 32)] on the
+    host (pinned where CUDA is), in one call that runs them in parallel."""
+    lg = _llguidance()
+    masks = lg.torch.allocate_token_bitmask(len(grammars), vocab_size)
+    lg.torch.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in
+                                                       enumerate(grammars)], masks)
+    return masks
