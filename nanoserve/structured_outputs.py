@@ -12,6 +12,9 @@ from typing import Any
 from nanoserve.errors import InvalidParameter
 
 FIELD = "structured_outputs"
+# JSON as json.dumps writes it (", " and ": ", no other whitespace), unless a schema sets its
+# own: free whitespace lets a model pad a value with spaces until max_tokens ends it
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,10 @@ class StructuredOutputs:
 
     def llguidance_grammar(self) -> tuple[str, str]:
         """(format, text) for llguidance.grammar_from."""
-        if self.json is not None:
-            return "json_schema", self.json
-        if self.json_object:
-            return "json_schema", '{"type": "object"}'
+        if self.json is not None or self.json_object:
+            schema = json.loads(self.json) if self.json is not None else {"type": "object"}
+            schema.setdefault("x-guidance", COMPACT_JSON)
+            return "json_schema", json.dumps(schema)
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:
