@@ -135,7 +135,7 @@ def cuttings(text: str) -> list[list[str]]:
     cuts += [[text[:i], text[i:]] for i in range(1, len(text))]
     for seed in range(20):
         rng = random.Random(seed)
-        points = sorted(rng.sample(range(1, len(text)), rng.randint(0, (len(text) - 1) // 3)))
+        points = sorted(rng.sample(range(1, len(text)), rng.randint(0, max(0, len(text) - 1) // 3)))
         cuts.append([text[a:b] for a, b in pairwise([0, *points, len(text)])])
     return cuts
 
