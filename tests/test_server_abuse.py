@@ -327,9 +327,6 @@ def test_valid_edge_values_run(server):
 UNSUPPORTED = [  # (endpoint, extra fields, param)
     (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"parallel_tool_calls": True}, "parallel_tool_calls"),
     (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
     (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -342,7 +339,10 @@ ACCEPTED = [
     (CHAT, {"response_format": {"type": "text"}}),
     (CHAT, {"response_format": {"type": "json_object"}}),
     (CHAT, {"tool_choice": "none"}),
+    (CHAT, {"tool_choice": "auto"}),
     (CHAT, {"tools": []}),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+            "parallel_tool_calls": True}),
     (CHAT, {"modalities": ["text"]}),
     (CHAT, {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}),
     (C, {"echo": False, "suffix": None, "best_of": 1}),
@@ -376,8 +376,8 @@ def test_unsupported_unknown_and_harmless_parameters(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=MSG, max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert (e.value.param, e.value.code) == ("tools", "unsupported_parameter")
+                                       functions=[{"name": "f", "parameters": {}}])
+    assert (e.value.param, e.value.code) == ("functions", "unsupported_parameter")
     assert_healthy(server)
 
 

@@ -24,8 +24,10 @@ from nanoserve.serve.http_io import error_response
 from nanoserve.serve.metrics import CONTENT_TYPE, Metrics
 from nanoserve.serve.middleware import AllowedHostsMiddleware, APIKeyMiddleware
 from nanoserve.serve.protocol import APIError, short
+from nanoserve.serve.reasoning import REASONING_PARSERS
 from nanoserve.serve.state import ServerState
 from nanoserve.serve.tokenizer_routes import add_tokenizer_routes
+from nanoserve.serve.tool_parsers import make_tool_parser, tool_parser_for
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -42,7 +44,8 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256, *
               api_key: str | None = None, max_body_bytes: int | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              allowed_hosts: list[str] | None = None) -> FastAPI:
+              allowed_hosts: list[str] | None = None, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """`api_key`: required as a Bearer token on every route but /health and /metrics (None:
     open). `max_body_bytes`: request bodies beyond it get 413 (None:
     default_max_body_bytes(max_model_len)). `max_waiting_requests`: sequences that may wait
@@ -61,7 +64,14 @@ def build_app(ae: AsyncEngine, model_name: str, default_max_tokens: int = 256, *
         max_body_bytes if max_body_bytes is not None else
         default_max_body_bytes(engine.max_model_len),
         body_timeout_s, engine.scheduler.max_num_seqs + max_waiting_requests,
-        TokenText(engine.tokenizer))
+        TokenText(engine.tokenizer),
+        tool_call_parser or tool_parser_for(engine.model_config.architecture),
+        reasoning_parser)
+    if tool_call_parser is not None:
+        make_tool_parser(tool_call_parser)  # an unknown name: ValueError now
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
+                         f"{', '.join(REASONING_PARSERS)}")
     metrics = Metrics(ae, model_name)
 
     @asynccontextmanager

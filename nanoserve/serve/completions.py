@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.errors import InvalidParameter
+from nanoserve.serve.answer import AnswerReader
 from nanoserve.serve.async_engine import (
     SHUTDOWN_MESSAGE,
     BatchStream,
@@ -41,6 +42,7 @@ from nanoserve.serve.protocol import (
     usage,
 )
 from nanoserve.serve.state import ServerState
+from nanoserve.serve.tools import forced_call, parse_tools, template_messages
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -85,11 +87,17 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
 # --- before submission: parse, tokenize, check (on a worker thread: big prompts take a while) --
 
 def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
-    req = parse_request(parse_json(raw), chat, state.model_name)
+    body = parse_json(raw)
+    req = parse_request(body, chat, state.model_name)
     if not chat and len(req.prompts) > state.max_in_flight:
         raise APIError(400, f"{len(req.prompts)} prompts exceed what this server runs at once "
                             f"({state.max_in_flight} sequences)", "prompt")
-    texts = [chat_prompt(state.tokenizer, req.messages)] if chat else req.prompts
+    tools = None
+    if chat:
+        req.tools = parse_tools(body)
+        tools = use_tools(state, req)
+    texts = [chat_prompt(state.tokenizer, template_messages(req.messages), tools=tools,
+                         template_kwargs=req.template_kwargs)] if chat else req.prompts
     prep = Prepared(req, [tokenize_prompt(state, req, p, i, len(texts) > 1)
                           for i, p in enumerate(texts)], None)
     room = check_lengths(state, prep)
@@ -100,6 +108,23 @@ def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
         prep.echoes = [echoed(state, req, p, ids) for p, ids in zip(req.prompts, prep.prompts,
                                                                      strict=True)]
     return prep
+
+
+def use_tools(state: ServerState, req: ParsedRequest) -> list[dict[str, Any]] | None:
+    """The tools the chat template gets (none with tool_choice "none"); for "required" or a
+    named function, the request's grammar becomes a call of one."""
+    if req.tools is None or not req.tools.active:
+        return None
+    if state.tool_parser is None:
+        raise APIError(400, "this model has no tool-call parser; start the server with "
+                            "--tool-call-parser", "tools")
+    forced = forced_call(req.tools, state.tool_parser)
+    if forced is not None:
+        if req.params.structured_outputs is not None:
+            raise APIError(400, "'tool_choice' that forces a call cannot go with a "
+                                "'response_format' schema", "tool_choice")
+        req.params = req.params.replace(structured_outputs=forced)
+    return req.tools.tools
 
 
 def tokenize_prompt(state: ServerState, req: ParsedRequest, prompt: str | list[int], i: int,
@@ -242,8 +267,18 @@ def choice_body(state: ServerState, req: ParsedRequest, c: Choice) -> dict[str, 
         text = c.echo.text + text
         if logprobs is not None:
             logprobs = joined_logprobs(echo_logprobs(state, c), logprobs)
-    return {"index": c.index, "text": text, "logprobs": logprobs,
+    body = {"index": c.index, "text": text, "logprobs": logprobs,
             "finish_reason": FINISH_REASONS[c.finish_reason]}
+    if req.chat:
+        body.update(answer_reader(state, req).read(text, body["finish_reason"]))
+    return body
+
+
+def answer_reader(state: ServerState, req: ParsedRequest) -> AnswerReader:
+    """A chat answer's parsers: the server's reasoning parser, and its tool-call parser when
+    the request's answer may hold calls."""
+    tools = req.tools is not None and req.tools.active
+    return AnswerReader(state.reasoning_parser, state.tool_parser if tools else None)
 
 
 async def events(state: ServerState, prep: Prepared, req_id: str, batch: BatchStream
@@ -259,23 +294,33 @@ async def events(state: ServerState, prep: Prepared, req_id: str, batch: BatchSt
         return usage(batch.num_prompt_tokens, completion_tokens(choices),
                      batch.num_cached_tokens)
 
+    readers = [answer_reader(state, req) for _ in choices] if req.chat else None
+
     def event(c: Choice, text: str | None, finish: str | None, logprobs=None,
-              role: bool = False) -> str:
+              role: bool = False, reasoning: str | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> str:
         return sse(chunk_body(req_id, model, req.chat, text, finish, role=role, index=c.index,
                               logprobs=logprobs,
-                              usage_so_far=usage_now() if req.continuous_usage else None))
+                              usage_so_far=usage_now() if req.continuous_usage else None,
+                              reasoning=reasoning, tool_calls=tool_calls))
 
     def chunk(c: Choice, safe: int | None) -> str | None:
         text, lo, hi = c.take(safe)
         finish = FINISH_REASONS[c.finish_reason] if safe is None else None
-        if not text and hi == lo and finish is None:
+        reasoning, calls = "", []
+        if readers is not None:
+            reader = readers[c.index]
+            reasoning, text, calls = reader.feed(text, final=safe is None)
+            if finish == "stop" and reader.calls:
+                finish = "tool_calls"
+        if not text and not reasoning and not calls and hi == lo and finish is None:
             return None
         logprobs = None
         if c.logprobs is not None:
             items = c.logprobs[lo:hi]
             logprobs = (chat_logprobs(items, state.token_text) if req.chat else
                         completion_logprobs(items, c.starts(lo, hi), state.token_text))
-        return event(c, text, finish, logprobs)
+        return event(c, text, finish, logprobs, reasoning=reasoning, tool_calls=calls)
 
     def echo_chunk(c: Choice) -> str:
         c.echo_sent = True

@@ -40,10 +40,11 @@ _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                           "response_format", "functions", "function_call", "tools",
                           "tool_choice", "parallel_tool_calls", "audio", "modalities",
-                          "prediction", "reasoning_effort", "web_search_options", "verbosity"}
+                          "prediction", "reasoning_effort", "web_search_options", "verbosity",
+                          "chat_template_kwargs"}  # extension (vLLM's)
 _STREAM_OPTIONS = {"include_usage", "include_obfuscation",
                    "continuous_usage_stats"}  # vLLM's: usage on every chunk
-_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content"}
 
 
 def short(value: Any, limit: int = MAX_QUOTE) -> str:
@@ -88,6 +89,8 @@ class ParsedRequest:
     include_usage: bool  # a last chunk with the request's usage
     continuous_usage: bool = False  # usage so far on every chunk
     echo: bool = False  # completions: the prompt before each completion's text
+    tools: Any = None  # chat: tools.ToolRequest, or None without tools
+    template_kwargs: dict[str, Any] | None = None  # chat: chat_template_kwargs
 
     @property
     def scoring_only(self) -> bool:
@@ -218,12 +221,15 @@ def parse_request(body: Any, chat: bool, served_model: str) -> ParsedRequest:
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
     kwargs["logprobs"] = parse_logprobs(body, chat)
+    template_kwargs = None
     if chat:
         kwargs["structured_outputs"] = parse_response_format(body.get("response_format"))
+        template_kwargs = _optional(body, "chat_template_kwargs", dict, "an object")
     if echo:  # the echoed prompt's logprobs, as many alternatives as the output's
         kwargs["prompt_logprobs"] = kwargs["logprobs"]
     req = ParsedRequest(chat, prompts, messages, max_tokens, max_param,
-                        SamplingParams(), stream, include_usage, continuous_usage, echo)
+                        SamplingParams(), stream, include_usage, continuous_usage, echo,
+                        template_kwargs=template_kwargs)
     try:
         req.params = SamplingParams(**kwargs)
     except InvalidParameter as e:
@@ -243,14 +249,12 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         return body.get(name)
 
     if chat:
-        for name in ("functions", "tools"):
-            if given(name) not in (None, []):
-                raise unsupported(name, "is not supported: no tool or function calling")
-        for name in ("function_call", "tool_choice"):
-            if given(name) not in (None, "none"):
-                raise unsupported(name, "is not supported: no tool or function calling")
-        for name in ("parallel_tool_calls", "audio", "prediction", "reasoning_effort",
-                     "web_search_options", "verbosity"):
+        if given("functions") not in (None, []):
+            raise unsupported("functions", "is not supported: use 'tools'")
+        if given("function_call") not in (None, "none"):
+            raise unsupported("function_call", "is not supported: use 'tool_choice'")
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options",
+                     "verbosity"):
             if given(name) is not None:
                 raise unsupported(name)
         if given("modalities") not in (None, ["text"]):
@@ -422,6 +426,13 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             raise invalid("messages", f"messages[{i}].role must be one of "
                                       f"{', '.join(CHAT_ROLES)}; got {short(role)}")
         content = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None and (role != "assistant" or not _are_tool_calls(calls)):
+            raise invalid("messages", f"messages[{i}].tool_calls must be an assistant's list "
+                                      f"of {{\"id\", \"type\": \"function\", \"function\": "
+                                      f"{{\"name\", \"arguments\"}}}}")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and
                        isinstance(p.get("text"), str) and set(p) <= {"type", "text"}
@@ -432,12 +443,22 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise invalid("messages", f"messages[{i}].content must be a string or a list of "
                                       "text parts")
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise invalid("messages", f"messages[{i}].{key} must be a string")
         # developer messages are system messages for models without that role
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        message.update({k: m[k] for k in ("name", "tool_call_id", "tool_calls",
+                                          "reasoning_content") if m.get(k) is not None})
+        out.append(message)
     return out
+
+
+def _are_tool_calls(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), (str, dict)) for c in calls)
 
 
 # --- responses ------------------------------------------------------------------------------
@@ -511,6 +532,9 @@ def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str,
                                   "finish_reason": c["finish_reason"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": c["text"]}
+            for key in ("reasoning_content", "tool_calls"):
+                if c.get(key):
+                    choice["message"][key] = c[key]
         else:
             choice["text"] = c["text"]
         out.append(choice)
@@ -522,13 +546,18 @@ def completion_body(req_id: str, model: str, chat: bool, choices: list[dict[str,
 def chunk_body(req_id: str, model: str, chat: bool, text: str | None,
                finish_reason: str | None, role: bool = False, index: int = 0,
                logprobs: dict[str, Any] | None = None,
-               usage_so_far: dict[str, Any] | None = None) -> dict[str, Any]:
+               usage_so_far: dict[str, Any] | None = None, reasoning: str | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if chat:
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

@@ -18,6 +18,8 @@ class ServerState:
     body_timeout_s: float
     max_in_flight: int  # sequences submitted and not finished, all requests together
     token_text: TokenText
+    tool_parser: str | None = None  # how answers are read for tool calls (tool_parsers.py)
+    reasoning_parser: str | None = None  # how thinking is split off (reasoning.py)
 
     @property
     def engine(self):
