@@ -309,9 +309,14 @@ def describe_needle(needles: list, input_len: int, demo: bool) -> None:
                    "or its previous response), else it is closed.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=2048,
               show_default=True, help="Open connections; more get 503 and are closed.")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]), default=None,
+              help="How answers are read for tool calls [default: the model family's: hermes "
+                   "for Qwen, llama3_json for Llama].")
+@click.option("--reasoning-parser", type=click.Choice(["qwen3"]), default=None,
+              help="Split <think>...</think> off into reasoning_content [default: off].")
 def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
           max_body_bytes, max_waiting_requests, body_timeout, timeout_keep_alive, allowed_hosts,
-          header_timeout, max_connections, **kw) -> None:
+          header_timeout, max_connections, tool_call_parser, reasoning_parser, **kw) -> None:
     """OpenAI-compatible HTTP server (completions, chat completions, streaming)."""
     try:
         from nanoserve.serve.app import build_app
@@ -340,7 +345,8 @@ def serve(host, port, served_model_name, default_max_tokens, log_level, api_key,
     click.echo(engine.describe_memory())
     app = build_app(AsyncEngine(engine), name, default_max_tokens, api_key=api_key or None,
                     max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
-                    body_timeout_s=body_timeout, allowed_hosts=hosts)
+                    body_timeout_s=body_timeout, allowed_hosts=hosts,
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     if api_key:
         click.echo("API key required on every route but /health and /metrics")
     click.echo(f"answers Host {', '.join(hosts) if hosts else 'any'}; request heads within "

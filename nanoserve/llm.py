@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
+from nanoserve.chat import template_messages
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
@@ -52,6 +53,20 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> RequestOutput:
+        """One conversation (OpenAI's messages; an assistant's tool_calls and tool results
+        included) through the model's chat template, with `tools` (OpenAI's function shape)
+        and template arguments such as enable_thinking; its RequestOutput. The output is the
+        model's text: the server's parsers read tool calls and reasoning out of it."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate()")
+        prompt = self.tokenizer.apply_chat_template(
+            template_messages(messages), tools=tools, tokenize=False,
+            add_generation_prompt=True, **(chat_template_kwargs or {}))
+        return self.generate(prompt, sampling_params, use_tqdm)[0]
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -150,3 +165,4 @@ def _as_prompt_list(prompts) -> list:
                                           f"of token ids is a list of ints only; a batch is a "
                                           f"list of strings or of token-id lists")
     return list(prompts)
+

@@ -126,3 +126,24 @@ def test_apply_allowed_masks_exactly_the_bits_of_the_constrained_rows():
     want[3][~bits[0]] = float("-inf")
     want[1][~bits[1]] = float("-inf")
     assert torch.equal(out, want)
+
+
+def test_llm_chat_renders_the_conversation_with_its_tools(llm):
+    """LLM.chat: the chat template's own rendering with the tools, an assistant's call
+    arguments (JSON text, as OpenAI sends them) given to the template as objects."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+    turn = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    out = llm.chat(turn, SamplingParams(temperature=0.0, max_tokens=3), tools=tools)
+    tok = llm.tokenizer
+    objects = [turn[0], {**turn[1], "tool_calls": [{**call, "function": {
+        "name": "get_time", "arguments": {"zone": "CET"}}}]}, turn[2]]
+    want = tok.apply_chat_template(objects, tools=tools, tokenize=False,
+                                   add_generation_prompt=True)
+    assert '{"name": "get_time", "arguments": {"zone": "CET"}}' in want
+    assert out.prompt_token_ids == tok.encode(want, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 3

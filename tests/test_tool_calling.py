@@ -16,11 +16,11 @@ jsonschema = pytest.importorskip("jsonschema")
 from test_server import ENGINE, NAME, ServerThread  # noqa: E402
 
 from nanoserve import LLM  # noqa: E402
+from nanoserve.chat import template_messages  # noqa: E402
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.serve.chat_template import chat_prompt  # noqa: E402
 from nanoserve.serve.protocol import parse_messages  # noqa: E402
-from nanoserve.serve.tools import template_messages  # noqa: E402
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 12},

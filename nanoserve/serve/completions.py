@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.chat import template_messages
 from nanoserve.errors import InvalidParameter
 from nanoserve.serve.answer import AnswerReader
 from nanoserve.serve.async_engine import (
@@ -42,7 +43,7 @@ from nanoserve.serve.protocol import (
     usage,
 )
 from nanoserve.serve.state import ServerState
-from nanoserve.serve.tools import forced_call, parse_tools, template_messages
+from nanoserve.serve.tools import forced_call, parse_tools
 
 log = logging.getLogger("nanoserve.serve")
 

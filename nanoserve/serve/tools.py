@@ -96,26 +96,3 @@ def forced_call(req: ToolRequest, parser: str) -> StructuredOutputs | None:
     else:
         lark = f"start: call\ncall: %json {call}"
     return StructuredOutputs(grammar=lark)
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: an assistant's tool call arguments as objects
-    (OpenAI sends them as JSON text; templates write them out with tojson)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [
-                {**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
-                for c in m["tool_calls"]]}
-        out.append(m)
-    return out
-
-
-def _arguments(fn: dict[str, Any]) -> Any:
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args
