@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, StructuredOutputs
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
 from nanoserve.cuda_timing import median_ms
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
@@ -142,6 +142,11 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
 
 # --- sampling --------------------------------------------------------------------------------
 SHARED_QUESTION_LEN = 16  # --shared-prefix: each request's own tokens after the document
+# --json-schema: every other request's output is held to this (constrained decoding); a
+# dummy model's text rarely closes the string, so its rows run to --output-len as the others
+JSON_SUFFIX = " json"
+BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}},
+                "required": ["text"], "additionalProperties": False}
 SAMPLED_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=-1)
 
 
@@ -156,9 +161,13 @@ def sampling_runs(args) -> list[tuple[str, dict]]:
 
     if args.sampled:
         sampled = {k: SAMPLED_DEFAULTS[k] if v is None else v for k, v in given.items()}
-        return [("greedy", greedy), (label(sampled), sampled)]
-    params = {k: greedy[k] if v is None else v for k, v in given.items()}
-    return [(label(params), params)]
+        runs = [("greedy", greedy), (label(sampled), sampled)]
+    else:
+        params = {k: greedy[k] if v is None else v for k, v in given.items()}
+        runs = [(label(params), params)]
+    if getattr(args, "json_schema", False):  # each again, half its requests constrained
+        runs += [(name + JSON_SUFFIX, params) for name, params in runs]
+    return runs
 
 
 def sampling_label(params: dict) -> str:
@@ -168,6 +177,23 @@ def sampling_label(params: dict) -> str:
         return "greedy"
     text = f"t{params['temperature']:g} p{params['top_p']:g}"
     return text + (f" k{params['top_k']}" if params["top_k"] > 0 else "")
+
+
+def add_json_ratios(rows: list[dict]) -> None:
+    """Rows with half their requests under a JSON schema get their output tok/s and TPOT over
+    the same configuration's plain row."""
+    def key(r: dict, sampling: str) -> tuple:
+        return r["mode"], r["input_len"], r["batch"], r.get("cpu_attention"), sampling
+
+    plain = {key(r, r["sampling"]): r for r in rows
+             if not r.get("skipped") and not r["sampling"].endswith(JSON_SUFFIX)}
+    for r in rows:
+        if r.get("skipped") or not r["sampling"].endswith(JSON_SUFFIX):
+            continue
+        base = plain.get(key(r, r["sampling"][:-len(JSON_SUFFIX)]))
+        if base is not None:
+            r["output_tok_s_vs_plain"] = r["output_tok_s"] / base["output_tok_s"]
+            r["tpot_vs_plain"] = r["tpot_ms_median"] / base["tpot_ms_median"]
 
 
 def add_sampling_ratios(rows: list[dict]) -> None:
@@ -215,6 +241,8 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
     params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
+    constrained = params.replace(structured_outputs=StructuredOutputs(json=BENCH_SCHEMA)) \
+        if label.endswith(JSON_SUFFIX) else params
     def tokens(n: int) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
 
@@ -225,8 +253,9 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         warm = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator())
         llm.generate([warm.tolist()], SamplingParams(max_tokens=2, ignore_eos=True))
     doc = tokens(shared_prefix_len(args, input_len))
-    seqs = [seq for _ in range(batch) for seq in  # add_request: one sequence per completion
-            engine.add_request(doc + tokens(input_len - len(doc)), params)]
+    seqs = [seq for i in range(batch) for seq in  # add_request: one sequence per completion
+            engine.add_request(doc + tokens(input_len - len(doc)),
+                               constrained if i % 2 else params)]
     if args.synthetic_prefill:
         for i, seq in enumerate(seqs):
             fill_random(kv, seq, seed=i)
@@ -521,7 +550,10 @@ def print_table(rows: list[dict], ceil: dict) -> None:
     for r in rows:
         cpu = r.get("cpu_attention", "off")
         mode = r["mode"] + ("" if cpu == "off" else f" cpu={cpu}")
-        start = (f"{mode:<24}{sampling_label(r) if 'temperature' in r else '':<12}"
+        label = sampling_label(r) if "temperature" in r else ""
+        if r.get("sampling", "").endswith(JSON_SUFFIX):
+            label += JSON_SUFFIX
+        start = (f"{mode:<24}{label:<12}"
                  f"{r['input_len']:>7}{r['batch']:>4}{r.get('tp', 1):>3}")
         if r.get("skipped"):
             print(f"{start}  {r['skipped']}")
@@ -573,6 +605,14 @@ def print_table(rows: list[dict], ceil: dict) -> None:
             print(f"  {r['mode']:<15} {sampling_label(r):<11} ctx {r['input_len']:>6} bs "
                   f"{r['batch']:>2}: TPOT {r['tpot_vs_greedy']:.3f}x, output tok/s "
                   f"{r['output_tok_s_vs_greedy']:.3f}x")
+    constrained = [r for r in rows if "output_tok_s_vs_plain" in r]
+    if constrained:
+        print("\nhalf the requests under a JSON schema / none, same mode, context and batch "
+              "(output tok/s: higher is better):")
+        for r in constrained:
+            print(f"  {r['mode']:<15} {r['sampling']:<16} ctx {r['input_len']:>6} bs "
+                  f"{r['batch']:>2}: output tok/s {r['output_tok_s_vs_plain']:.3f}x, TPOT "
+                  f"{r['tpot_vs_plain']:.3f}x")
     vs = [r for r in rows if any(k.startswith("tpot_vs_hf") for k in r)]
     if vs:
         print("\nnanoserve / transformers (lower is better; resident-graph vs default cache, "
@@ -701,6 +741,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run every configuration twice, greedy and sampled (--temperature, "
                          "--top-p, --top-k), and report the sampled / greedy ratios of TPOT "
                          "and output tok/s")
+    ap.add_argument("--json-schema", action="store_true",
+                    help="run every configuration again with every other request's output held "
+                         "to a JSON schema (structured outputs), and report the output tok/s "
+                         "ratio")
     ap.add_argument("--compare-hf", action="store_true",
                     help="also run transformers generate() (default and offloaded cache) on "
                          "the same weights and prompts (greedy)")
@@ -777,6 +821,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     add_sampling_ratios(rows)
+    add_json_ratios(rows)
     add_tp_ratios(rows)
     # each twice: the first pays the mixed step's first compiles and cuDNN plans
     stall = [[run_stall(args, m, n, cfg) for _ in range(2)][-1] for n in lens for m in modes

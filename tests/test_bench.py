@@ -113,6 +113,37 @@ def test_sampled_mode_runs_greedy_and_sampled_and_reports_ratios(monkeypatch, ca
             f"{sampled['output_tok_s_vs_greedy']:.3f}x") in out
 
 
+def test_json_schema_runs_each_configuration_again_with_half_its_requests_constrained(
+        monkeypatch, capsys):
+    """--json-schema: a second run of the configuration where every other request's output is
+    held to BENCH_SCHEMA; its row reports output tok/s and TPOT over the plain row's."""
+    from nanoserve.engine.engine import LLMEngine
+
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "6",
+                       "--json-schema"])
+    assert sampling_runs(args) == [("greedy", GREEDY), ("greedy json", GREEDY)]
+    seen, real = [], LLMEngine.add_request
+
+    def spy(self, prompt, params):
+        seen.append(params.structured_outputs)
+        return real(self, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    rows = [run_mode(args, "resident-eager", 48, 4, cfg, CEIL, run)
+            for run in sampling_runs(args)]
+    schema = bench_offload.StructuredOutputs(json=bench_offload.BENCH_SCHEMA)
+    assert seen == [None] * 4 + [None, schema, None, schema]
+    bench_offload.add_json_ratios(rows)
+    plain, half = rows
+    assert "output_tok_s_vs_plain" not in plain
+    assert half["output_tok_s_vs_plain"] == half["output_tok_s"] / plain["output_tok_s"]
+    print_table(rows, CEIL)
+    out = capsys.readouterr().out
+    assert (f"  resident-eager  greedy json      ctx     48 bs  4: output tok/s "
+            f"{half['output_tok_s_vs_plain']:.3f}x") in out
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_tp_engine_prefills_once_untimed_before_the_timed_request(monkeypatch, tp):
     """Under TP the workers are fresh processes (their first prefill builds attention plans):

@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth;
 # GPU_TESTS for tests; REPS and
@@ -99,6 +99,10 @@ for w in $what; do
         --cpu-attention ${SYNTH_CPU:-off,auto} ${SYNTH_ARGS:-} \
         --kv-cache-dtype fp8 --synthetic-prefill --out "$OUT/synth" 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tail -16 ;;
+    json)  # issue 37: batch 64 x 512, half the requests under a JSON schema, against none
+           # (llguidance travels as a wheel in .whl, as the server's packages do)
+      run $B --input-len 512 --batch-size 64 --output-len 64 --resident-graph --json-schema \
+        --out "$OUT/json" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -8 ;;
     decode)  # issue 17: TPOT at batch 1 / 32K, 64 x 512 and offloaded 4K (every layer streamed)
       for i in ${REPS:-1}; do
         for a in "" ${DECODE_SYNC:-}; do  # DECODE_SYNC=--sync-scheduling: also synchronous
