@@ -4,6 +4,8 @@ corruption."""
 from __future__ import annotations
 
 import gc
+import random
+from itertools import pairwise
 
 import torch
 
@@ -117,3 +119,14 @@ def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
     out = llm.generate(prompt, params)[0]
     assert out.error is None and out.token_ids == resident
 
+
+def cuttings(text: str) -> list[list[str]]:
+    """Ways a streamed text arrives: whole, one character a delta, cut in two at every point,
+    and cut at random points (seeded)."""
+    cuts = [[text], list(text)]
+    cuts += [[text[:i], text[i:]] for i in range(1, len(text))]
+    for seed in range(20):
+        rng = random.Random(seed)
+        points = sorted(rng.sample(range(1, len(text)), rng.randint(0, max(0, len(text) - 1) // 3)))
+        cuts.append([text[a:b] for a, b in pairwise([0, *points, len(text)])])
+    return cuts

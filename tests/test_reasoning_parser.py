@@ -3,10 +3,8 @@ gives the same split for any cutting of the output into deltas."""
 
 from __future__ import annotations
 
-import random
-from itertools import pairwise
-
 import pytest
+from helpers import cuttings
 
 from nanoserve.serve.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
 
@@ -51,18 +49,6 @@ CASES = {
 ALL = [(starts_in, text, reasoning, content)
        for starts_in, cases in CASES.items() for text, reasoning, content in cases.values()]
 ALL_IDS = [f"{starts_in}: {name}" for starts_in, cases in CASES.items() for name in cases]
-
-
-def cuttings(text: str) -> list[list[str]]:
-    """The text whole, one character a delta, cut in two at every point, and cut at random
-    points (seeded)."""
-    cuts = [[text], list(text)]
-    cuts += [[text[:i], text[i:]] for i in range(1, len(text))]
-    for seed in range(20):
-        rng = random.Random(seed)
-        points = sorted(rng.sample(range(1, len(text)), rng.randint(0, max(0, len(text) - 1) // 3)))
-        cuts.append([text[a:b] for a, b in pairwise([0, *points, len(text)])])
-    return cuts
 
 
 def stream(parser: Qwen3ReasoningParser, pieces: list[str]) -> tuple[str, str]:

@@ -3,11 +3,10 @@ any cutting of the output into deltas."""
 
 from __future__ import annotations
 
-import random
 import re
-from itertools import pairwise
 
 import pytest
+from helpers import cuttings
 
 from nanoserve.serve.tool_parsers import (
     TOOL_PARSERS,
@@ -126,18 +125,6 @@ CASES = [(HermesToolParser, text, content, calls, name)
         [(Llama3JsonToolParser, text, content, calls, name)
          for name, (text, content, calls) in LLAMA3_CASES.items()]
 CASE_IDS = [f"{cls.__name__}: {name}" for cls, _, _, _, name in CASES]
-
-
-def cuttings(text: str) -> list[list[str]]:
-    """The text whole, one character a delta, cut in two at every point, and cut at random
-    points (seeded)."""
-    cuts = [[text], list(text)]
-    cuts += [[text[:i], text[i:]] for i in range(1, len(text))]
-    for seed in range(20):
-        rng = random.Random(seed)
-        points = sorted(rng.sample(range(1, len(text)), rng.randint(0, max(0, len(text) - 1) // 3)))
-        cuts.append([text[a:b] for a, b in pairwise([0, *points, len(text)])])
-    return cuts
 
 
 def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
