@@ -222,3 +222,17 @@ def test_bad_tools_are_400s_naming_the_field_and_the_server_goes_on(server, extr
     assert e.value.param == param
     assert client.chat.completions.create(model=NAME, messages=ASK,
                                           max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_the_embedded_template_without_tools_is_plain_chatml_even_under_strict_jinja():
+    """Tools or not: without them the template writes what it always wrote, and renders with
+    StrictUndefined (lm-eval's remote tokenizer) though no `tools` is given."""
+    import jinja2
+
+    tok = server_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    want = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    strict = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(tok.chat_template)
+    assert strict.render(messages=messages, add_generation_prompt=True) == want
