@@ -7,7 +7,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
-from nanoserve.chat import template_messages
+from nanoserve.chat import check_template_kwargs, template_messages
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
@@ -65,7 +65,7 @@ class LLM:
             raise ValueError("this model has no chat template; use generate()")
         prompt = self.tokenizer.apply_chat_template(
             template_messages(messages), tools=tools, tokenize=False,
-            add_generation_prompt=True, **(chat_template_kwargs or {}))
+            add_generation_prompt=True, **check_template_kwargs(chat_template_kwargs))
         return self.generate(prompt, sampling_params, use_tqdm)[0]
 
     def generate(self, prompts: Prompt | list[Prompt],

@@ -147,3 +147,7 @@ def test_llm_chat_renders_the_conversation_with_its_tools(llm):
     assert '{"name": "get_time", "arguments": {"zone": "CET"}}' in want
     assert out.prompt_token_ids == tok.encode(want, add_special_tokens=False)
     assert len(out.outputs[0].token_ids) == 3
+    for reserved in ({"chat_template": "{{ 'x' }}"}, {"add_generation_prompt": False},
+                     {"tools": []}, {"enable_thinking": {"a": 1}}):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            llm.chat(turn, tools=tools, chat_template_kwargs=reserved)

@@ -142,6 +142,34 @@ def test_two_calls_in_one_answer_whole_and_streamed():
         srv.stop()
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    srv, n = scripted_server(TWO_CALLS)
+    try:
+        client = client_of(srv)
+        kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=n + 4, temperature=0,
+                  parallel_tool_calls=False)
+        calls = client.chat.completions.create(**kw).choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert {d.index for c in chunks if c.choices
+                for d in c.choices[0].delta.tool_calls or []} == {0}
+    finally:
+        srv.stop()
+
+
+def test_the_answer_starts_where_the_rendered_prompt_left_the_thinking():
+    from nanoserve.serve.answer import AnswerReader, answer_starts_in
+
+    assert answer_starts_in("<|im_start|>assistant\n<think>\n") == "reasoning"
+    assert answer_starts_in("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "content"
+    assert answer_starts_in("<|im_start|>assistant\n") == "auto"
+    # thinking closed by the template: the answer streams at once, not at its end
+    assert AnswerReader("qwen3", None, "content").feed("Hello", final=False) == \
+        ("", "Hello", [])
+    assert AnswerReader("qwen3", None, "reasoning").feed("Hmm", final=False) == \
+        ("Hmm", "", [])
+
+
 def test_a_malformed_call_stays_text():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
     srv, n = scripted_server(text)
@@ -213,12 +241,21 @@ def server_tokenizer():
      "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+    # a required call's grammar is built from the tools: a bad schema there names tools
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
+    # a client's template would run in the server; arguments must be plain values
+    ({"chat_template_kwargs": {"chat_template": "{{ 'x' * 10 }}"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": [1]}}, "chat_template_kwargs"),
 ])
 def test_bad_tools_are_400s_naming_the_field_and_the_server_goes_on(server, extra, param):
     client = client_of(server)
+    known = {k: v for k, v in extra.items() if k != "chat_template_kwargs"}
+    body = {k: v for k, v in extra.items() if k == "chat_template_kwargs"}  # vLLM's extension
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": NAME, "messages": ASK, "max_tokens": 2,
-                                          **extra})
+                                          **known}, extra_body=body or None)
     assert e.value.param == param
     assert client.chat.completions.create(model=NAME, messages=ASK,
                                           max_tokens=2).choices[0].finish_reason == "length"

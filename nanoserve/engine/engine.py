@@ -166,7 +166,7 @@ class LLMEngine:
                 raise InvalidParameter(name, f"{name}: token id {bad[0]} is not in the "
                                              f"vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
+            self.grammars.prototype(params.structured_outputs)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """Queues the request's `params.n` sequences (one per completion, index 0..n-1).

@@ -64,8 +64,12 @@ class Grammars:
                 raise InvalidParameter(FIELD, "structured outputs need the model's tokenizer; "
                                               "this model has none")
             lg = _llguidance()
-            self._tok = lg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                             eos_token=list(self.eos) or None)
+            try:
+                self._tok = lg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                 eos_token=list(self.eos) or None)
+            except (ValueError, TypeError, AssertionError) as e:  # a slow or larger tokenizer
+                raise InvalidParameter(FIELD, f"structured outputs cannot use this model's "
+                                              f"tokenizer: {e}") from e
         return self._tok
 
     @lru_cache(maxsize=256)  # noqa: B019 (one engine's compiler lives as long as the engine)
@@ -82,11 +86,18 @@ class Grammars:
             raise InvalidParameter(FIELD, f"{FIELD}: the grammar does not compile: {error}")
         return grammar
 
-    def start(self, spec: StructuredOutputs) -> SequenceGrammar:
+    @lru_cache(maxsize=256)  # noqa: B019 (as compile)
+    def prototype(self, spec: StructuredOutputs):
+        """The spec's matcher at its start, built once (a large schema takes a good part of a
+        second); sequences start from copies of it. The server calls this (and so compile)
+        on its request-parsing thread, so the engine's thread finds both built."""
         matcher = _llguidance().LLMatcher(self._ll_tokenizer, self.compile(spec))
         if matcher.is_error():
             raise InvalidParameter(FIELD, f"{FIELD}: {matcher.get_error()}")
-        return SequenceGrammar(matcher)
+        return matcher
+
+    def start(self, spec: StructuredOutputs) -> SequenceGrammar:
+        return SequenceGrammar(self.prototype(spec).deep_copy())
 
 
 def allowed_token_masks(grammars: list[SequenceGrammar], vocab_size: int) -> torch.Tensor:

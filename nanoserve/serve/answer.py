@@ -9,13 +9,28 @@ from nanoserve.serve.reasoning import REASONING_PARSERS
 from nanoserve.serve.tool_parsers import make_tool_parser
 
 
-class AnswerReader:
-    """One answer's parsers. `reasoning`: a REASONING_PARSERS name or None; `tools`: a tool
-    parser's name, or None when the request's answer is not read for tool calls."""
+def answer_starts_in(prompt: str) -> str:
+    """Whether the answer to this rendered prompt starts inside the model's thinking (the
+    template opened it), after it (the template closed it: enable_thinking false), or either
+    (the reasoning parser's starts_in)."""
+    end = prompt.rstrip()
+    if end.endswith("<think>"):
+        return "reasoning"
+    if end.endswith("</think>"):
+        return "content"
+    return "auto"
 
-    def __init__(self, reasoning: str | None, tools: str | None) -> None:
-        self.reasoning = REASONING_PARSERS[reasoning]() if reasoning else None
+
+class AnswerReader:
+    """One answer's parsers. `reasoning`: a REASONING_PARSERS name or None, the answer
+    starting as `starts_in` says; `tools`: a tool parser's name, or None when the request's
+    answer is not read for tool calls; `parallel` False keeps its first call only."""
+
+    def __init__(self, reasoning: str | None, tools: str | None, starts_in: str = "auto",
+                 parallel: bool = True) -> None:
+        self.reasoning = REASONING_PARSERS[reasoning](starts_in) if reasoning else None
         self.tools = make_tool_parser(tools) if tools else None
+        self.max_calls = None if parallel else 1
         self.calls = 0  # tool calls streamed so far
 
     def read(self, text: str, finish_reason: str) -> dict[str, Any]:
@@ -31,7 +46,7 @@ class AnswerReader:
             if parsed.tool_calls:
                 out["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in parsed.tool_calls]
+                                     for c in parsed.tool_calls[:self.max_calls]]
                 if finish_reason == "stop":
                     out["finish_reason"] = "tool_calls"
         return out
@@ -48,7 +63,8 @@ class AnswerReader:
         if self.tools is None:
             return reasoning, content, []
         deltas = [self.tools.feed(content)] + ([self.tools.finish()] if final else [])
-        calls = [call for d in deltas for call in d.tool_calls]
+        calls = [call for d in deltas for call in d.tool_calls
+                 if self.max_calls is None or call.index < self.max_calls]
         self.calls += sum(1 for call in calls if call.name is not None)
         return reasoning, "".join(d.content for d in deltas), [_delta_body(c) for c in calls]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoserve.chat import check_template_kwargs
 from nanoserve.serve.protocol import APIError, short
 
 
@@ -16,8 +17,10 @@ def chat_prompt(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
     messages."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    kwargs = {k: v for k, v in (template_kwargs or {}).items()
-              if k not in ("tokenize", "add_generation_prompt", "tools", "conversation")}
+    try:
+        kwargs = check_template_kwargs(template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), "chat_template_kwargs") from e
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.chat import template_messages
 from nanoserve.errors import InvalidParameter
-from nanoserve.serve.answer import AnswerReader
+from nanoserve.serve.answer import AnswerReader, answer_starts_in
 from nanoserve.serve.async_engine import (
     SHUTDOWN_MESSAGE,
     BatchStream,
@@ -97,8 +97,11 @@ def prepare(state: ServerState, raw: bytes, chat: bool) -> Prepared:
     if chat:
         req.tools = parse_tools(body)
         tools = use_tools(state, req)
+        build_grammar(state, req)
     texts = [chat_prompt(state.tokenizer, template_messages(req.messages), tools=tools,
                          template_kwargs=req.template_kwargs)] if chat else req.prompts
+    if chat:
+        req.reasoning_start = answer_starts_in(texts[0])
     prep = Prepared(req, [tokenize_prompt(state, req, p, i, len(texts) > 1)
                           for i, p in enumerate(texts)], None)
     room = check_lengths(state, prep)
@@ -126,6 +129,21 @@ def use_tools(state: ServerState, req: ParsedRequest) -> list[dict[str, Any]] | 
                                 "'response_format' schema", "tool_choice")
         req.params = req.params.replace(structured_outputs=forced)
     return req.tools.tools
+
+
+def build_grammar(state: ServerState, req: ParsedRequest) -> None:
+    """The request's grammar compiled and its first matcher built here, on the request's
+    worker thread (a large schema takes a good part of a second): the engine's thread finds
+    them cached. A 400 names the field the grammar came from."""
+    spec = req.params.structured_outputs
+    if spec is None:
+        return
+    try:
+        state.engine.grammars.prototype(spec)
+    except InvalidParameter as e:
+        forced = req.tools is not None and req.tools.choice in ("required", "function")
+        raise APIError(400, str(e), "tools" if forced else req.param_name(e.param),
+                       e.code) from e
 
 
 def tokenize_prompt(state: ServerState, req: ParsedRequest, prompt: str | list[int], i: int,
@@ -279,7 +297,8 @@ def answer_reader(state: ServerState, req: ParsedRequest) -> AnswerReader:
     """A chat answer's parsers: the server's reasoning parser, and its tool-call parser when
     the request's answer may hold calls."""
     tools = req.tools is not None and req.tools.active
-    return AnswerReader(state.reasoning_parser, state.tool_parser if tools else None)
+    return AnswerReader(state.reasoning_parser, state.tool_parser if tools else None,
+                        req.reasoning_start, req.tools is None or req.tools.parallel)
 
 
 async def events(state: ServerState, prep: Prepared, req_id: str, batch: BatchStream

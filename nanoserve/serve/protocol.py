@@ -91,6 +91,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt before each completion's text
     tools: Any = None  # chat: tools.ToolRequest, or None without tools
     template_kwargs: dict[str, Any] | None = None  # chat: chat_template_kwargs
+    reasoning_start: str = "auto"  # chat: where the answer starts (answer.answer_starts_in)
 
     @property
     def scoring_only(self) -> bool:

@@ -22,6 +22,7 @@ class ToolRequest:
     tools: list[dict[str, Any]]  # OpenAI's shape, {"type": "function", "function": {...}}
     choice: str  # "auto", "none", "required", or "function" (a named one: `name`)
     name: str | None = None
+    parallel: bool = True  # parallel_tool_calls: false keeps an answer's first call only
 
     @property
     def active(self) -> bool:
@@ -64,8 +65,9 @@ def parse_tools(body: dict) -> ToolRequest | None:
         if fn["name"] in names:
             raise invalid("tools", f"tools[{i}]: a second function named {short(fn['name'])}")
         names.append(fn["name"])
+    parallel = parallel is not False
     if choice is None or choice in ("auto", "none", "required"):
-        return ToolRequest(tools, choice or "auto")
+        return ToolRequest(tools, choice or "auto", parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or \
             not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -74,7 +76,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if fn["name"] not in names:
         raise invalid("tool_choice", f"'tool_choice' names {short(fn['name'])}, which is not "
                                      f"among 'tools'")
-    return ToolRequest(tools, "function", fn["name"])
+    return ToolRequest(tools, "function", fn["name"], parallel)
 
 
 def forced_call(req: ToolRequest, parser: str) -> StructuredOutputs | None:
