@@ -36,6 +36,7 @@ from tqdm import tqdm
 from nanoserve import LLM, SamplingParams, StructuredOutputs
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
 from nanoserve.cuda_timing import median_ms
+from nanoserve.engine.grammar import Grammars, byte_vocabulary
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
@@ -143,7 +144,8 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
 # --- sampling --------------------------------------------------------------------------------
 SHARED_QUESTION_LEN = 16  # --shared-prefix: each request's own tokens after the document
 # --json-schema: every other request's output is held to this (constrained decoding); a
-# dummy model's text rarely closes the string, so its rows run to --output-len as the others
+# dummy model's text rarely closes the string, so its rows run to --output-len as the others.
+# A shape without a tokenizer gets a made-up byte vocabulary (engine/grammar.byte_vocabulary)
 JSON_SUFFIX = " json"
 BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}},
                 "required": ["text"], "additionalProperties": False}
@@ -240,6 +242,10 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
                          f"{kv.describe_budgets()} holds {kv.capacity}")
     g = torch.Generator().manual_seed(0)
     label, sampling_params = sampling or ("greedy", dict(temperature=0.0, top_p=1.0, top_k=-1))
+    if label.endswith(JSON_SUFFIX) and engine.tokenizer is None:  # dummy weights of a shape
+        eos = cfg.vocab_size - 1
+        engine.grammars = Grammars(None, cfg.vocab_size, (eos,),
+                                   byte_vocabulary(cfg.vocab_size, eos))
     params = SamplingParams(**sampling_params, max_tokens=args.output_len, ignore_eos=True)
     constrained = params.replace(structured_outputs=StructuredOutputs(json=BENCH_SCHEMA)) \
         if label.endswith(JSON_SUFFIX) else params

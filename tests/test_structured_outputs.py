@@ -151,3 +151,22 @@ def test_llm_chat_renders_the_conversation_with_its_tools(llm):
                      {"tools": []}, {"enable_thinking": {"a": 1}}):
         with pytest.raises(ValueError, match="chat_template_kwargs"):
             llm.chat(turn, tools=tools, chat_template_kwargs=reserved)
+
+
+def test_a_made_up_byte_vocabulary_constrains_a_model_without_a_tokenizer(llm):
+    """The bench's path for dummy weights of a shipped shape (no tokenizer): token ids stand
+    for bytes, and every sampled completion's bytes are JSON that validates."""
+    from nanoserve.engine.grammar import Grammars, byte_vocabulary
+
+    vocab = llm.engine.model_config.vocab_size
+    real = llm.engine.grammars
+    llm.engine.grammars = Grammars(None, vocab, (vocab - 1,), byte_vocabulary(vocab, vocab - 1))
+    try:
+        params = SamplingParams(n=10, temperature=1.0, max_tokens=120, seed=9,
+                                structured_outputs=StructuredOutputs(json=PERSON))
+        outs = llm.generate([PROMPT], params)[0].outputs
+    finally:
+        llm.engine.grammars = real
+    for o in outs:
+        assert o.finish_reason == "stop" and max(o.token_ids) < 256
+        assert valid(bytes(o.token_ids).decode(), PERSON)

@@ -54,8 +54,13 @@ class Grammars:
     """The engine's grammar compiler: its tokenizer's view for llguidance (built at the first
     constrained request) and each distinct spec's compiled grammar (cached)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 ll_tokenizer=None) -> None:
+        """`ll_tokenizer`: llguidance's view of the vocabulary, given (byte_vocabulary's, for
+        a model without a tokenizer) instead of built from `tokenizer`."""
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_ids
+        if ll_tokenizer is not None:
+            self._tok = ll_tokenizer
 
     @property
     def _ll_tokenizer(self):
@@ -108,3 +113,27 @@ def allowed_token_masks(grammars: list[SequenceGrammar], vocab_size: int) -> tor
     lg.torch.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in
                                                        enumerate(grammars)], masks)
     return masks
+
+
+class _ByteVocabulary:
+    """llguidance's tokenizer interface over byte_vocabulary's tokens."""
+
+    def __init__(self, tokens: list[bytes], eos: int) -> None:
+        self.tokens, self.eos_token_id, self.bos_token_id = tokens, eos, None
+        self.special_token_ids = [eos]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)  # one token a byte
+
+
+def byte_vocabulary(vocab_size: int, eos: int):
+    """llguidance's view of a made-up vocabulary of `vocab_size` tokens: the 256 bytes, then
+    two-byte pieces of JSON's usual characters, then special tokens, `eos` the end. For a
+    model without a tokenizer (dummy weights of a shipped shape): its constrained decoding
+    runs as a real vocabulary's would, token ids standing for those bytes."""
+    lg = _llguidance()
+    common = b'abcdefghijklmnopqrstuvwxyz0123456789 "{}[]:,.'
+    tokens = [bytes([b]) for b in range(256)]
+    tokens += [bytes([a, b]) for a in common for b in common][:max(0, vocab_size - 256)]
+    tokens += [b"<|special_%d|>" % i for i in range(vocab_size - len(tokens))]
+    return lg.LLTokenizer(lg.TokenizerWrapper(_ByteVocabulary(tokens[:vocab_size], eos)))
