@@ -52,7 +52,7 @@ class SequenceGrammar:
 
 class Grammars:
     """The engine's grammar compiler: its tokenizer's view for llguidance (built at the first
-    constrained request) and each distinct spec's compiled grammar (cached)."""
+    constrained request) and each distinct spec's starting matcher (cached)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
                  ll_tokenizer=None) -> None:
@@ -77,7 +77,6 @@ class Grammars:
                                               f"tokenizer: {e}") from e
         return self._tok
 
-    @lru_cache(maxsize=256)  # noqa: B019 (one engine's compiler lives as long as the engine)
     def compile(self, spec: StructuredOutputs) -> str:
         """The spec's grammar; InvalidParameter (a 400) when it does not compile."""
         lg = _llguidance()
@@ -91,7 +90,7 @@ class Grammars:
             raise InvalidParameter(FIELD, f"{FIELD}: the grammar does not compile: {error}")
         return grammar
 
-    @lru_cache(maxsize=256)  # noqa: B019 (as compile)
+    @lru_cache(maxsize=256)  # noqa: B019 (one engine's compiler lives as long as the engine)
     def prototype(self, spec: StructuredOutputs):
         """The spec's matcher at its start, built once (a large schema takes a good part of a
         second); sequences start from copies of it. The server calls this (and so compile)
