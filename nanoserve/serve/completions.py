@@ -141,7 +141,7 @@ def build_grammar(state: ServerState, req: ParsedRequest) -> None:
     try:
         state.engine.grammars.prototype(spec)
     except InvalidParameter as e:
-        forced = req.tools is not None and req.tools.choice in ("required", "function")
+        forced = req.tools is not None and req.tools.forces_call
         raise APIError(400, str(e), "tools" if forced else req.param_name(e.param),
                        e.code) from e
 

@@ -29,6 +29,11 @@ class ToolRequest:
         """The answer may hold tool calls (and is parsed for them)."""
         return self.choice != "none"
 
+    @property
+    def forces_call(self) -> bool:
+        """"required" or a named function: the answer is a call (a grammar holds it to one)."""
+        return self.choice in ("required", "function")
+
     def functions(self) -> list[dict[str, Any]]:
         return [t["function"] for t in self.tools]
 
@@ -82,7 +87,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
 def forced_call(req: ToolRequest, parser: str) -> StructuredOutputs | None:
     """For "required" or a named function: the grammar of one call of a declared tool (the
     named one) in the parser's format; None otherwise."""
-    if req.choice not in ("required", "function"):
+    if not req.forces_call:
         return None
     key = {"hermes": "arguments", "llama3_json": "parameters"}.get(parser)
     if key is None:
