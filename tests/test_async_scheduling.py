@@ -18,19 +18,28 @@ def outputs(llm, prompts, params):
 
 
 def count_launches(llm) -> list[str]:
-    """Records, in order, each step the runner launches ahead and each one it reads back."""
+    """Records, in order, each step the runner launches ahead, each one whose sampling is
+    queued after its launch ("sample": a grammar's step) and each one it reads back."""
     runner, calls = llm.engine.runner, []
-    launch, collect = runner.launch, runner.collect
+    launch, sample_launched, collect = runner.launch, runner.sample_launched, runner.collect
 
-    def spy_launch(batch, in_flight):
+    def spy_launch(batch, in_flight, sample=True):
         calls.append("launch")
-        return launch(batch, in_flight)
+        step = launch(batch, in_flight, False)
+        if sample:  # launch's own sampling: not recorded
+            sample_launched(step)
+        return step
+
+    def spy_sample(step):
+        calls.append("sample")
+        return sample_launched(step)
 
     def spy_collect(step):
         calls.append("collect")
         return collect(step)
 
     runner.launch, runner.collect = spy_launch, spy_collect
+    runner.sample_launched = spy_sample
     return calls
 
 
@@ -148,3 +157,41 @@ def test_logprobs_and_penalties_run_synchronously(qwen3_dir, params):
     a, b = async_.generate(prompt, params)[0], sync.generate(prompt, params)[0]
     assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
     assert calls == []  # both read the host's view of the tokens: no step launches ahead
+
+
+def test_grammar_rows_launch_ahead_and_sample_after_the_previous_step_is_read():
+    """A constrained step's forward launches before the step in flight is read; its sampling is
+    queued after, from masks of grammars that took the tokens read. Mixed with free rows,
+    sampled and greedy, every output equals the synchronous engine's, each constrained one
+    valid, and nothing is left behind."""
+    import json
+
+    from nanoserve.structured_outputs import StructuredOutputs
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    spec = StructuredOutputs(json=schema)
+    sync, async_ = both(None)
+    prompts = ["a number as JSON:", "hello there", "the grass", "another one:"]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=30, seed=4, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=40, seed=9, n=3,
+                             structured_outputs=spec)]
+    calls = count_launches(async_)
+
+    def every(llm, prompts, params):
+        return [(c.token_ids, c.finish_reason, c.text)
+                for o in llm.generate(prompts, params) for c in o.outputs]
+
+    one_by_one = [every(async_, [p], q) for p, q in zip(prompts, params, strict=True)]
+    assert one_by_one == [every(sync, [p], q) for p, q in zip(prompts, params, strict=True)]
+    batched = every(async_, prompts, params)
+    assert batched == [r for rows in one_by_one for r in rows]
+    for _, reason, text in [batched[0]] + batched[3:]:
+        assert reason == "stop" and 0 <= json.loads(text)["n"] <= 999
+    # each constrained step: launched, the step before read, then its sampling queued
+    assert "launch" in calls and calls.count("sample") > 5
+    for i, c in enumerate(calls):
+        if c == "sample":
+            assert calls[i - 2:i] == ["launch", "collect"] or calls[i - 1] == "launch"
+    assert async_.engine.kv.num_free == async_.engine.kv.capacity

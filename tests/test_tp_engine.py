@@ -5,6 +5,7 @@ it; a worker that dies is a clear error, also for the server's health check."""
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import signal
@@ -21,6 +22,7 @@ from helpers import make_llm
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.workers import TensorParallelFailure
+from nanoserve.structured_outputs import StructuredOutputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts(3, [37, 5, 90], seed=11)
@@ -63,7 +65,7 @@ def test_tp2_greedy_tokens_equal_tp1(model_dir, mode):
         procs = engine.workers.procs
         launched = []
         launch = engine.runner.launch
-        engine.runner.launch = lambda *a: launched.append(1) or launch(*a)
+        engine.runner.launch = lambda *a, **kw: launched.append(1) or launch(*a, **kw)
         assert token_ids(llm) == ref
         # decode steps launch ahead (async scheduling), offloaded or not, unless turned off
         assert bool(launched) == (mode != "resident-sync")
@@ -73,14 +75,23 @@ def test_tp2_greedy_tokens_equal_tp1(model_dir, mode):
 def test_the_embedded_model_runs_at_tp2_with_its_padded_vocabulary():
     # 259 tokens: the ranks hold 130 rows each, the last one unused
     prompts = random_prompts(3, [37, 5, 90], vocab=259, seed=11)
-    ref = make_llm(None).generate(prompts, GREEDY)
+    # and a grammar's rows, whose launched steps sample after the step before is read: the
+    # workers wait in the tokens' broadcast meanwhile
+    json_params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, n=2,
+                                 structured_outputs=StructuredOutputs(json_object=True))
+    one = make_llm(None)
+    ref, ref_json = one.generate(prompts, GREEDY), one.generate(["as json:"], json_params)
     llm = make_llm(None, tensor_parallel_size=2)
     procs = llm.engine.workers.procs
     llm.engine.runner.warm_up_prompts()  # CUDA engines' start-up steps reach the workers too
     assert llm.engine.kv.num_free == llm.engine.kv.capacity
     out = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    del llm, out
+    got_json = llm.generate(["as json:"], json_params)[0].outputs
+    assert [o.token_ids for o in got_json] == [o.token_ids for o in ref_json[0].outputs]
+    assert all(isinstance(json.loads(o.text), dict) for o in got_json
+               if o.finish_reason == "stop")
+    del llm, out, got_json
     gc.collect()  # the LLM's finalizer stops its worker
     assert gone(procs)
 

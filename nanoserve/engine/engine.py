@@ -235,7 +235,8 @@ class LLMEngine:
     def _can_launch_ahead(self) -> bool:
         """Whether the next step may launch before the step in flight is read: a plain decode
         step (no prefill, no preemption) whose sampling reads nothing the host has not seen
-        (no penalties, no logprobs, no grammar: its mask needs the token in flight). Under
+        (no penalties, no logprobs). A grammar's mask needs the token in flight: such a step
+        is launched unsampled and sampled once that token is read (_launch). Under
         tensor parallelism rank 0 sends each launched step's ids to the workers on the device
         (ModelRunner.launch). With streamed layers the next
         step's loads then queue on the copy stream behind this step's, so the link never waits
@@ -243,24 +244,44 @@ class LLMEngine:
         (offload/streamer.py), and a step's plan counts the tokens still in flight."""
         return (self.cfg.async_scheduling
                 and self.scheduler.next_step_is_plain_decode()
-                and all(not s.params.has_penalties and s.params.logprobs is None and
-                        s.grammar is None for s in self.scheduler.running))
+                and all(not s.params.has_penalties and s.params.logprobs is None
+                        for s in self.scheduler.running))
 
     def _launch(self, batch: Batch) -> list[Sequence]:
-        """Launches `batch` behind the step in flight, then reads that one's tokens."""
+        """Launches `batch` behind the step in flight, then reads that one's tokens while the
+        new step runs. Under a grammar the new step's sampling is queued after that read: the
+        tokens advance the grammars, whose masks the sampling applies, while the new step's
+        forward runs."""
         previous = self._launched
+        constrained = any(s.grammar is not None for s in batch.seqs)
         try:
-            launched = self.runner.launch(batch, previous.tokens if previous else None)
+            launched = self.runner.launch(batch, previous.tokens if previous else None,
+                                          sample=not constrained)
         except Exception as e:
             if is_device_failure(e):
                 raise
-            finished = self._collect_launched()
-            live = [s for s in batch.seqs if not s.is_finished]
-            return finished + self._run_one_by_one(Batch(False, live, [1] * len(live)), e)
+            return self._collect_launched() + self._rerun_live(batch, e)
         for seq in batch.seqs:
             seq.num_pending += 1
         self._launched = launched
-        return self._collect(previous)  # read while the new step runs
+        finished = self._collect(previous)
+        if constrained:
+            try:
+                self.runner.sample_launched(launched)
+            except Exception as e:
+                if is_device_failure(e):
+                    raise
+                self._launched = None
+                for seq in batch.seqs:
+                    seq.num_pending -= 1
+                return finished + self._rerun_live(batch, e)
+        return finished
+
+    def _rerun_live(self, batch: Batch, error: Exception) -> list[Sequence]:
+        """A failed decode step's sequences still running, rerun one by one (nothing of the
+        failed step was read: their state is where it was before it)."""
+        live = [s for s in batch.seqs if not s.is_finished]
+        return self._run_one_by_one(Batch(False, live, [1] * len(live)), error)
 
     def _collect_launched(self) -> list[Sequence]:
         """Reads the step in flight (if any) and advances its sequences."""

@@ -40,11 +40,15 @@ from nanoserve.sampling_params import SamplingParams
 
 @dataclass
 class LaunchedStep:
-    """A decode step whose kernels are queued and whose tokens the host has not read yet."""
+    """A decode step whose kernels are queued and whose tokens the host has not read yet.
+    Launched unsampled (a grammar's mask waits for the step before), it holds its logits
+    until ModelRunner.sample_launched queues the sampling."""
     batch: Batch
-    tokens: InFlightTokens  # on device: the next step's input ids
-    host_tokens: torch.Tensor  # on cpu (pinned on CUDA): filled once `done` has passed
-    done: torch.cuda.Event | None
+    positions: list[int]  # each row's token position (its seed's uniform)
+    logits: torch.Tensor | None = None  # until sampled
+    tokens: InFlightTokens | None = None  # on device: the next step's input ids
+    host_tokens: torch.Tensor | None = None  # on cpu (pinned on CUDA): filled once `done`
+    done: torch.cuda.Event | None = None
 
 
 def build_worker_runner(cfg: EngineConfig, model_dir: Path, max_model_len: int,
@@ -279,30 +283,46 @@ class ModelRunner:
             self._worker_tokens = InFlightTokens(broadcast_from_rank0(tokens), {})
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, in_flight: InFlightTokens | None) -> LaunchedStep:
-        """Queues a decode step (inputs, forward, sampling) and returns without waiting for it:
-        async scheduling. Sequences still waiting for `in_flight`'s tokens take them on the
-        device. No logprobs, no penalties (both read the host's view of the tokens)."""
+    def launch(self, batch: Batch, in_flight: InFlightTokens | None,
+               sample: bool = True) -> LaunchedStep:
+        """Queues a decode step (inputs, forward and, with `sample`, sampling) and returns
+        without waiting for it: async scheduling. Sequences still waiting for `in_flight`'s
+        tokens take them on the device. No logprobs, no penalties (both read the host's view of
+        the tokens). Without `sample` the caller queues the sampling (sample_launched) once
+        the host knows what it needs: a grammar's mask needs the token in flight."""
         n = len(batch.seqs)
         graphs = self._graphs_for(batch.is_prefill, n)
         step = self.inputs.plan(batch, graphs.padded_size(n) if graphs else None,
                                 in_flight.rows if in_flight is not None else None)
         step.shares_tokens = self.peers is not None
         logits, _ = self._forward_everywhere(step, in_flight)
+        launched = LaunchedStep(batch, [s.num_tokens + s.num_pending for s in batch.seqs],
+                                logits)
+        if sample:
+            self.sample_launched(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample_launched(self, step: LaunchedStep) -> None:
+        """Queues a launched step's sampling and its tokens' copy to the host. Its host work
+        (grammar masks) overlaps the step's forward."""
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
-        positions = [s.num_tokens + s.num_pending for s in batch.seqs]
-        t = build_sampling_tensors(batch.seqs, self.mcfg.vocab_size, self.device, self.inputs.pin,
-                                   positions=positions)
-        tokens = broadcast_from_rank0(sample_on_device(logits, t, key_dtype))
-        done = None
-        host = tokens
+        try:
+            t = build_sampling_tensors(step.batch.seqs, self.mcfg.vocab_size, self.device,
+                                       self.inputs.pin, positions=step.positions)
+        except Exception as e:
+            if self.peers is not None:  # the workers wait in the tokens' broadcast
+                raise TensorParallelFailure(f"a step's sampling failed on rank 0: "
+                                            f"{type(e).__name__}: {e}") from e
+            raise
+        tokens = broadcast_from_rank0(sample_on_device(step.logits, t, key_dtype))
+        step.logits, step.host_tokens = None, tokens
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
-        return LaunchedStep(batch, InFlightTokens(tokens, rows), host, done)
+            step.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step.host_tokens.copy_(tokens, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        step.tokens = InFlightTokens(tokens, {s.seq_id: i for i, s in enumerate(step.batch.seqs)})
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """A launched step's tokens, waiting for the step to finish."""

@@ -107,7 +107,9 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
     len(token_ids)). `stats`: the engine's per-sequence token statistics (penalties); without
     them, built for this call. None when every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
-    constrained = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+    # a row whose sequence stopped a step ago (async scheduling) samples a discarded token
+    constrained = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None
+                   and not getattr(s, "is_finished", False)]
     if not constrained and all(p.greedy and not p.has_penalties and not p.logit_bias and
                                p.logprobs is None for p in params):
         return None
