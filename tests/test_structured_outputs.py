@@ -170,3 +170,15 @@ def test_a_made_up_byte_vocabulary_constrains_a_model_without_a_tokenizer(llm):
     for o in outs:
         assert o.finish_reason == "stop" and max(o.token_ids) < 256
         assert valid(bytes(o.token_ids).decode(), PERSON)
+
+
+def test_mask_buffers_take_turns_and_grow():
+    """A step's masks never share memory with the step before's (its upload may still read
+    them); the step after reuses the buffer of two steps back, grown when it holds too few."""
+    from nanoserve.engine.grammar import MaskBuffers
+    buffers = MaskBuffers(100)
+    a, b, c = buffers.take(3), buffers.take(3), buffers.take(2)
+    assert a.shape == (3, 4) and c.shape == (2, 4)
+    assert a.data_ptr() != b.data_ptr() and c.data_ptr() == a.data_ptr()
+    d = buffers.take(5)  # b's turn, too small: a new one
+    assert d.shape == (5, 4) and d.data_ptr() not in (a.data_ptr(), b.data_ptr())

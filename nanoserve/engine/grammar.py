@@ -104,11 +104,32 @@ class Grammars:
         return SequenceGrammar(self.prototype(spec).deep_copy())
 
 
-def allowed_token_masks(grammars: list[SequenceGrammar], vocab_size: int) -> torch.Tensor:
+class MaskBuffers:
+    """Host buffers for steps' masks (pinned where CUDA is), reused: allocating pinned memory
+    each step costs more than filling it. Two take turns, so a step's masks are never written
+    while the step before's upload may still read them (a step's masks are filled after the
+    step before was read back, which its upload precedes)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self._buffers, self._turn = vocab_size, [None, None], 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[self._turn] = \
+                _llguidance().torch.allocate_token_bitmask(rows, self.vocab_size)
+        return buf[:rows]
+
+
+def allowed_token_masks(grammars: list[SequenceGrammar], vocab_size: int,
+                        buffers: MaskBuffers | None = None) -> torch.Tensor:
     """Each grammar's allowed next tokens as bits, int32 [len(grammars), ceil(V / 32)] on the
-    host (pinned where CUDA is), in one call that runs them in parallel."""
+    host (pinned where CUDA is), in one call that runs them in parallel; in one of `buffers`'
+    when given."""
     lg = _llguidance()
-    masks = lg.torch.allocate_token_bitmask(len(grammars), vocab_size)
+    masks = buffers.take(len(grammars)) if buffers is not None else \
+        lg.torch.allocate_token_bitmask(len(grammars), vocab_size)
     lg.torch.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in
                                                        enumerate(grammars)], masks)
     return masks

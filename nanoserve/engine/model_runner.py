@@ -16,6 +16,7 @@ from nanoserve.context import forward_context
 from nanoserve.distributed.parallel_state import agree_min, broadcast_from_rank0, tp_size
 from nanoserve.distributed.workers import TensorParallelFailure, TPWorkers
 from nanoserve.engine.cpu_split_setup import build_cpu_share
+from nanoserve.engine.grammar import MaskBuffers
 from nanoserve.engine.graph_runner import DecodeGraphRunner
 from nanoserve.engine.prompt_logprobs import (
     ROWS_PER_HEAD_CALL,
@@ -86,6 +87,7 @@ class ModelRunner:
         for attn in model.attention_layers:
             attn.backend = self.backend
         self.token_stats = TokenStats(self.mcfg.vocab_size, cfg.max_num_seqs, self.device)
+        self.mask_buffers = MaskBuffers(self.mcfg.vocab_size)
 
         spec = KVSpec(self.mcfg.num_layers, cfg.page_size, num_kv_heads, self.mcfg.head_dim,
                       kv_dtype)
@@ -244,7 +246,8 @@ class ModelRunner:
         # logits come from the model's dtype: a half-precision model's are exact in it
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         out = sample(logits, build_sampling_tensors(seqs, self.mcfg.vocab_size, self.device,
-                                                    self.inputs.pin, self.token_stats),
+                                                    self.inputs.pin, self.token_stats,
+                                                    mask_buffers=self.mask_buffers),
                      key_dtype)
         if any(scores) or any(s.unread_scores for s in batch.seqs):  # the step has synchronized
             batch.prompt_logprobs = read_scores([s.unread_scores + ([u] if u else [])
@@ -309,7 +312,8 @@ class ModelRunner:
         key_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
         try:
             t = build_sampling_tensors(step.batch.seqs, self.mcfg.vocab_size, self.device,
-                                       self.inputs.pin, positions=step.positions)
+                                       self.inputs.pin, positions=step.positions,
+                                       mask_buffers=self.mask_buffers)
         except Exception as e:
             if self.peers is not None:  # the workers wait in the tokens' broadcast
                 raise TensorParallelFailure(f"a step's sampling failed on rank 0: "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.engine.grammar import allowed_token_masks
+from nanoserve.engine.grammar import MaskBuffers, allowed_token_masks
 from nanoserve.engine.token_stats import TokenStats
 from nanoserve.outputs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
@@ -101,11 +101,13 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = False,
                            stats: TokenStats | None = None,
-                           positions: list[int] | None = None) -> SamplingTensors | None:
+                           positions: list[int] | None = None,
+                           mask_buffers: MaskBuffers | None = None) -> SamplingTensors | None:
     """`seqs`: objects with `params` (SamplingParams), `seed`, `seq_id`, `token_ids`,
     `num_prompt_tokens`; each samples the token at its `positions` entry (default:
     len(token_ids)). `stats`: the engine's per-sequence token statistics (penalties); without
-    them, built for this call. None when every row is plain greedy (nothing to upload)."""
+    them, built for this call. `mask_buffers`: the engine's, for grammars' masks. None when
+    every row is plain greedy (nothing to upload)."""
     params: list[SamplingParams] = [s.params for s in seqs]
     # a row whose sequence stopped a step ago (async scheduling) samples a discarded token
     constrained = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None
@@ -121,7 +123,8 @@ def build_sampling_tensors(seqs, vocab: int, device: torch.device, pin: bool = F
 
     allowed = None
     if constrained:  # host work while the device runs the forward queued before this
-        masks = allowed_token_masks([seqs[i].grammar for i in constrained], vocab)
+        masks = allowed_token_masks([seqs[i].grammar for i in constrained], vocab,
+                                    mask_buffers)
         allowed = (put(constrained, torch.int64), put(masks, torch.int32))
 
     greedy = [p.greedy for p in params]
