@@ -76,10 +76,10 @@ class EngineConfig:
     attention_backend: str = _field("auto", "auto: triton on CUDA, torch on CPU; flash (by "
                                     "name only) is untested.", choices=ATTENTION_BACKENDS)
     moe_backend: str = _field("auto", "How mixture-of-experts layers run their experts: "
-                              "grouped (sorted by expert, torch's grouped GEMM), gather "
-                              "(gathered weights, batched GEMV), loop (one expert at a time); "
-                              "auto: grouped on CUDA where torch's fast grouped GEMM takes the "
-                              "dtype, else gather for decode and loop for prefill; loop on CPU.",
+                              "fused (Triton: sorted by expert, grouped GEMMs with SiLU and "
+                              "the routing weights fused), grouped (torch's grouped GEMM), "
+                              "gather (gathered weights, batched GEMV), loop (one expert at a "
+                              "time); auto: fused on CUDA, loop on CPU.",
                               choices=MOE_BACKENDS)
     dummy_weights: bool = _field(False, "Random weights built on the device from the config "
                                  "alone.")

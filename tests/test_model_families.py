@@ -20,7 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from nanoserve import SamplingParams
 from nanoserve.kv.fp8_format import FP8
 from nanoserve.kv.spec import KVSpec
-from nanoserve.models import moe
+from nanoserve.models import moe, moe_tiles
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.layers import RotaryEmbedding
 from nanoserve.models.loader import resolve_model_dir
@@ -235,6 +235,51 @@ def test_capturable_expert_paths_equal_the_reference_loop_on_cpu(tokens, path):
     ref = block(x)
     block.backend = path
     assert (block(x) - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+def _routing(tokens: int, experts: int, top_k: int, case: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if case == "one expert":  # every token's first slot on expert 2, the rest spread
+        rest = [3 + torch.randperm(experts - 3, generator=g)[:top_k - 1] for _ in range(tokens)]
+        ids = torch.stack([torch.cat([torch.tensor([2]), r]) for r in rest])
+    else:  # experts 0 and 1 never chosen: empty experts between used ones
+        ids = torch.stack([2 + torch.randperm(experts - 2, generator=g)[:top_k]
+                           for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g, dtype=torch.float64)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("case", ["empty experts", "one expert"])
+def test_the_fused_paths_tile_layout_computes_the_loops_result_in_float64(tokens, block_m,
+                                                                          case):
+    """The layout the fused kernels run over (pairs sorted by expert into whole tiles of
+    block_m rows, padding rows past each expert's pairs), computed tile by tile as the kernels
+    do, equals the reference loop in float64."""
+    experts, top_k, hidden, inter = 12, 4, 24, 16
+    g = torch.Generator().manual_seed(tokens)
+    weights, ids = _routing(tokens, experts, top_k, case, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=torch.float64)
+    down = torch.randn(experts, hidden, inter, generator=g, dtype=torch.float64)
+    ref = moe.experts_loop(x, weights, ids, gate_up, down)
+    got = moe_tiles.experts_tiled_reference(x, weights, ids, gate_up, down, block_m)
+    assert (got - ref).abs().max().item() < 1e-12 * ref.abs().max().item()
+    sorted_pairs, tile_expert = moe_tiles.sort_pairs_reference(ids, experts, block_m)
+    pairs = tokens * top_k
+    flat = ids.flatten()
+    assert sorted(p for p in sorted_pairs.tolist() if p < pairs) == list(range(pairs))
+    for tile, expert in enumerate(tile_expert.tolist()):
+        rows = [p for p in sorted_pairs[tile * block_m:(tile + 1) * block_m].tolist()
+                if p < pairs]
+        if expert == experts:  # past the used tiles: nothing but padding
+            assert rows == []
+            continue
+        assert rows and rows == sorted(rows) and all(flat[p] == expert for p in rows)
+    used = tile_expert[tile_expert < experts].tolist()
+    assert used == sorted(used) and set(used) == set(flat.tolist())
+    assert len(sorted_pairs) == moe_tiles.padded_sizes(pairs, experts, block_m)[0]
 
 
 @pytest.mark.parametrize("norm", [True, False])

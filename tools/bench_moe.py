@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     bw = hbm_GBps()
     layers = blocks(args.layers)
-    paths = ["grouped", "gather", "loop"]
+    paths = ["fused", "grouped", "gather", "loop"]
     if not moe.fast_grouped_mm(torch.device("cuda"), torch.bfloat16):
         paths.remove("grouped")
     probe = torch.zeros(1, H, device="cuda", dtype=torch.bfloat16)

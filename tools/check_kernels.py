@@ -105,6 +105,31 @@ def cases():
             torch.zeros(1, kk, dtype=bf16), torch.zeros(n, kk, dtype=bf16))
     yield "SiLU-multiply + skinny matmul", lambda: skinny_silu_linear(
         torch.zeros(1, 2 * 12288, dtype=bf16), torch.zeros(4096, 12288, dtype=bf16))
+    yield from moe_cases()
+
+
+def moe_cases():
+    """The fused MoE kernels at Qwen3-30B-A3B's widths: the one-program sort, and the grouped
+    GEMMs (on the CPU the sort runs as torch ops) in bf16 and in float32's full precision."""
+    from nanoserve.models import fused_moe
+    from nanoserve.models.moe_tiles import MoETiles, padded_sizes
+
+    experts, k, hidden, inter = 128, 8, 2048, 768
+    ids = torch.arange(4 * k, dtype=torch.int64).view(4, k)
+    rows, tiles = padded_sizes(ids.numel(), experts, 16)
+    yield "fused MoE: the one-program sort", lambda: fused_moe._sort_pairs_kernel[(1,)](
+        ids, torch.zeros(34, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+        torch.zeros(tiles, dtype=torch.int32), ids.numel(), experts, rows, tiles, BLOCK_P=32,
+        BLOCK_ROWS=triton.next_power_of_2(rows), BLOCK_TILES=triton.next_power_of_2(tiles),
+        BLOCK_M=16)
+    for dtype, tiles in itertools.product((torch.bfloat16, torch.float32),
+                                          (MoETiles(16, 32, 128, 4, 4),
+                                           MoETiles(128, 128, 64, 8, 3))):
+        yield f"fused MoE experts, {dtype}, {tuple(tiles)}", \
+            lambda dtype=dtype, tiles=tiles: fused_moe.experts_fused(
+                torch.zeros(4, hidden, dtype=dtype), torch.ones(4, k, dtype=dtype), ids,
+                torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
+                torch.zeros(experts, hidden, inter, dtype=dtype), tiles)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth;
 # GPU_TESTS for tests; REPS and
@@ -167,6 +167,8 @@ for w in $what; do
       run python3 tools/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/bench_linear.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
+    tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
+      run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \

@@ -4,19 +4,23 @@ the token's output is their outputs weighted by the router's probabilities.
 The experts are stacked at load time, in transformers' own in-memory layout: gate_up_proj
 [E, 2I, H] (an expert's gate rows, then its up rows) and down_proj [E, H, I].
 
-Three ways to run the experts (`backend`; results equal up to rounding, tested on CPU):
+Four ways to run the experts (`backend`; results equal up to rounding):
+- fused: Triton kernels (fused_moe.py): the pairs sorted by expert into whole tiles on the
+  device, a grouped GEMM for gate_up with SiLU-multiply in its epilogue, one for down with the
+  routing weights in its epilogue. The CUDA default; its tile layout has a torch twin
+  (fused_moe.experts_tiled_reference) tested on the CPU in float64.
 - loop: each expert that has tokens runs them through its MLP, index_add into the output
   (transformers' eager path, the reference). It syncs with the host (which experts have
   tokens), so it cannot be captured: the CPU runs it.
 - grouped: the (token, expert) pairs sorted by expert, then two grouped GEMMs
   (torch's grouped_mm) over the stacked weights. Static shapes, no host sync, no copy of the
   weights: each expert with tokens is read once (k experts a layer at batch 1). The CUDA
-  path wherever torch's fast grouped GEMM exists (bf16 on Hopper / Blackwell), prefill and
-  decode graphs alike.
+  path before the fused one, where torch's fast grouped GEMM exists (bf16 on Hopper /
+  Blackwell); kept as a reference.
 - gather: each (token, slot) pair gathers its expert's weights and runs a batched GEMV.
   Static shapes, no host sync, but the gather copies the weights (read, write, read again:
   ~3x the bytes of grouped at batch 1, and T*k experts' worth of scratch): the capturable
-  fallback for decode-sized batches on a GPU without the fast grouped GEMM.
+  fallback for decode-sized batches where Triton is missing.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 from nanoserve.distributed.parallel_state import all_reduce
 from nanoserve.models.layers import silu_and_mul
 
-MOE_BACKENDS = ("auto", "loop", "grouped", "gather")
+MOE_BACKENDS = ("auto", "fused", "loop", "grouped", "gather")
 GATHER_MAX_TOKENS = 64  # auto without the fast grouped GEMM: gather up to here, loop beyond
 
 
@@ -85,6 +89,8 @@ def choose_path(backend: str, x: torch.Tensor) -> str:
         return backend
     if not x.is_cuda:
         return "loop"
+    if _has_triton():
+        return "fused"
     if fast_grouped_mm(x.device, x.dtype):
         return "grouped"
     if x.shape[0] <= GATHER_MAX_TOKENS or torch.cuda.is_current_stream_capturing():
@@ -98,6 +104,15 @@ def fast_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     host, which a CUDA graph cannot capture."""
     return device.type == "cuda" and dtype == torch.bfloat16 and \
         _grouped_mm_fn() is not None and _capability(device.index)[0] in (9, 10)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
@@ -150,4 +165,11 @@ def experts_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return _combine(h, weights)
 
 
-EXPERT_PATHS = {"loop": experts_loop, "grouped": experts_grouped, "gather": experts_gather}
+def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    from nanoserve.models import fused_moe  # Triton: CUDA installs only
+    return fused_moe.experts_fused(x, weights, ids, gate_up, down)
+
+
+EXPERT_PATHS = {"fused": experts_fused, "loop": experts_loop, "grouped": experts_grouped,
+                "gather": experts_gather}

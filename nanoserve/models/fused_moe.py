@@ -1,0 +1,166 @@
+"""Fused MoE experts in Triton, in the manner of vLLM's and SGLang's fused_moe: the (token, slot)
+pairs are sorted by expert and padded to whole tiles on the device, then two grouped GEMMs run
+over the stacked weights, each tile of rows belonging to one expert:
+- gate_up, with SiLU-multiply in its epilogue: a program computes the same columns of an
+  expert's gate rows and up rows and writes silu(gate) * up, so the intermediate [pairs, I] is
+  written once and the [pairs, 2I] one of the unfused path never exists;
+- down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
+  token are then summed (one reduction, in fp32, rounded once).
+No host synchronization anywhere: the padded sizes are bounded by the pair count, so every
+launch has a static grid and is captured in decode graphs; tiles past the used ones exit.
+
+Each expert with tokens is read once per tile column, so at batch 1 a layer reads its k experts
+(the HBM floor); at larger batches an expert's rows share its weights in one tile.
+
+Tiles come per batch band from a config file per GPU (moe_configs/<device name>.json, written by
+tools/tune_moe.py), else from `default_tiles`. The sort runs as one Triton program for decode's
+pair counts (a dozen torch ops would cost more than the experts at batch 1) and as torch ops for
+prefill's (sort_pairs_reference, also the CPU's and the tests' reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.models.moe_tiles import MoETiles, padded_sizes, sort_pairs_reference, tiles_for
+
+ONE_PROGRAM_SORT_MAX = 1024  # pairs sorted by one Triton program; more: torch ops
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sort_pairs_kernel(Ids, Scratch, SortedPairs, TileExpert, P, E, ROWS, TILES,
+                       BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_TILES: tl.constexpr, BLOCK_M: tl.constexpr):
+    # One program. Keys expert * BLOCK_P + pair sort to expert order, pairs in order within it.
+    offs = tl.arange(0, BLOCK_P)
+    live = offs < P
+    expert = tl.load(Ids + offs, mask=live, other=0).to(tl.int32)
+    key = tl.where(live, expert * BLOCK_P + offs, E * BLOCK_P + offs)
+    key = tl.sort(key)
+    expert, pair = key // BLOCK_P, key % BLOCK_P
+    live = expert < E
+    # neighbours in sorted order, through memory: where each expert's run starts and ends
+    tl.store(Scratch + 1 + offs, expert)
+    tl.store(Scratch, -1)
+    tl.store(Scratch + 1 + BLOCK_P, E + 1)
+    rows = tl.arange(0, BLOCK_ROWS)
+    tl.store(SortedPairs + rows, tl.zeros([BLOCK_ROWS], tl.int32) + P, mask=rows < ROWS)
+    tiles = tl.arange(0, BLOCK_TILES)
+    tl.store(TileExpert + tiles, tl.zeros([BLOCK_TILES], tl.int32) + E, mask=tiles < TILES)
+    tl.debug_barrier()
+    before = tl.load(Scratch + offs)
+    after = tl.load(Scratch + 2 + offs)
+    run_start = tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
+    rank = offs - run_start
+    count = rank + 1
+    # padding of the runs before each pair: each run's own, added at its last pair
+    pad = tl.where(live & (expert != after),
+                   (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count, 0)
+    dest = offs + tl.cumsum(pad, axis=0) - pad
+    tl.store(SortedPairs + dest, pair, mask=live)
+    tl.store(TileExpert + dest // BLOCK_M, expert, mask=live & (rank % BLOCK_M == 0))
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sort_pairs_reference's result: one Triton program for up to ONE_PROGRAM_SORT_MAX pairs
+    (CUDA), torch ops beyond."""
+    pairs = ids.numel()
+    if not ids.is_cuda or pairs > ONE_PROGRAM_SORT_MAX:
+        return sort_pairs_reference(ids, num_experts, block_m)
+    rows, tiles = padded_sizes(pairs, num_experts, block_m)
+    block_p = triton.next_power_of_2(pairs)
+    scratch = torch.empty(block_p + 2, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=ids.device)
+    _sort_pairs_kernel[(1,)](ids, scratch, sorted_pairs, tile_expert, pairs, num_experts, rows,
+                             tiles, BLOCK_P=block_p, BLOCK_ROWS=triton.next_power_of_2(rows),
+                             BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_M=block_m,
+                             num_warps=4)
+    return sorted_pairs, tile_expert
+
+
+@triton.jit
+def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert,
+                     N, K, P, E, TOP_K, stride_am, stride_be, stride_bn, stride_cm,
+                     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """C[pair, n] for the rows of one tile (one expert) and BLOCK_N columns. GATE_UP: A is the
+    tokens (row pair // TOP_K), B an expert's [2N, K] gate then up rows, C = silu(gate) * up,
+    each rounded to C's dtype where torch's unfused path rounds. Else A is the intermediate
+    (row pair), B an expert's [N, K] down rows, C = A B^T times the pair's routing weight."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, col = pid // tiles_n, pid % tiles_n
+    expert = tl.load(TileExpert + tile)
+    if expert >= E:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedPairs + offs_m)
+    live = pair < P
+    row = pair // TOP_K if GATE_UP else pair
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    a_at = A + row[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_at = B + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + \
+        offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        a = tl.load(a_at, mask=live[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_at, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATE_UP:
+            up = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        a_at += BLOCK_K
+        b_at += BLOCK_K
+    if GATE_UP:
+        gate = acc.to(C.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(C.dtype.element_ty)
+        out = silu * acc_up.to(C.dtype.element_ty)
+    else:
+        out = acc * tl.load(Weights + pair, mask=live, other=0.0).to(tl.float32)[:, None]
+    c_at = C + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_at, out.to(C.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
+
+
+def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor,
+                  tiles: MoETiles | None = None) -> torch.Tensor:
+    """The experts' weighted sum for tokens x [T, H] routed to ids [T, k] with weights [T, k]:
+    gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts)."""
+    t, k = ids.shape
+    num_experts, inter2, hidden = gate_up.shape
+    inter = inter2 // 2
+    pairs = t * k
+    if tiles is None:
+        tiles = tiles_for(pairs, num_experts, hidden, inter, x.device)
+    sorted_pairs, tile_expert = sort_pairs(ids, num_experts, tiles.block_m)
+    num_tiles = tile_expert.numel()
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    flat_weights = weights.reshape(-1).contiguous()
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    # float32 in full precision (tests, references), not tf32
+    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    _moe_gemm_kernel[(num_tiles * triton.cdiv(inter, tiles.block_n),)](
+        x, gate_up, mid, flat_weights, sorted_pairs, tile_expert, inter, hidden, pairs,
+        num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
+        GATE_UP=True, **meta)
+    _moe_gemm_kernel[(num_tiles * triton.cdiv(hidden, tiles.block_n),)](
+        mid, down, out, flat_weights, sorted_pairs, tile_expert, hidden, inter, pairs,
+        num_experts, k, mid.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        GATE_UP=False, **meta)
+    return out.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
