@@ -30,7 +30,7 @@ def candidates(pairs: int) -> list[moe_tiles.MoETiles]:
     elif pairs <= 4096:
         grid = itertools.product([16, 32, 64], [64, 128], [64, 128], [4, 8], [3, 4])
     else:  # prefill: the tensor cores set the time
-        grid = itertools.product([64, 128], [64, 128, 256], [64], [4, 8], [3, 4])
+        grid = itertools.product([64, 128], [64, 128], [32, 64], [4, 8], [3, 4])
     return [moe_tiles.MoETiles(*c) for c in grid]
 
 
@@ -68,7 +68,7 @@ def hbm_GBps() -> float:
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,2048,8192")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,512,2048,8192")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--write", nargs="?", const=str(moe_tiles.CONFIG_DIR), default=None,
                     help="write the config file (into this directory)")
