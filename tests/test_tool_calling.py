@@ -137,6 +137,13 @@ def test_two_calls_in_one_answer_whole_and_streamed():
         assert [(ds[0].function.name, json.loads("".join(d.function.arguments or ""
                                                           for d in ds)))
                 for _, ds in sorted(streamed.items())] == calls
+        whole = [c.function.arguments for c in choice.message.tool_calls]
+        for ds, arguments in zip(streamed.values(), whole, strict=True):
+            # the name first, then the arguments in pieces, as the model wrote them
+            assert ds[0].id.startswith("call_") and ds[0].type == "function"
+            assert all(d.id is None and d.type is None and d.function.name is None
+                       and d.function.arguments for d in ds[1:])
+            assert len(ds) > 3 and "".join(d.function.arguments for d in ds) == arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
     finally:
         srv.stop()
@@ -171,7 +178,7 @@ def test_the_answer_starts_where_the_rendered_prompt_left_the_thinking():
 
 
 def test_a_malformed_call_stays_text():
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    text = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>'
     srv, n = scripted_server(text)
     try:
         kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=n + 4, temperature=0)
@@ -180,8 +187,53 @@ def test_a_malformed_call_stays_text():
         assert choice.message.content == text
         chunks = list(client_of(srv).chat.completions.create(stream=True, **kw))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
     finally:
         srv.stop()
+
+
+def test_a_call_that_breaks_after_it_began_to_stream_stays_a_streamed_call():
+    """Whole, it is text; streamed, its name and first pieces went out before it broke, and a
+    stream cannot take them back: it stays a call, none of it content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    srv, n = scripted_server(text)
+    try:
+        kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=n + 4, temperature=0)
+        choice = client_of(srv).chat.completions.create(**kw).choices[0]
+        assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+        assert choice.message.content == text
+        chunks = list(client_of(srv).chat.completions.create(stream=True, **kw))
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+        assert "".join(d.function.arguments for d in deltas) == '{"city": }'
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        srv.stop()
+
+
+def test_the_answer_reader_streams_openai_call_deltas_name_first_then_pieces():
+    from nanoserve.serve.answer import AnswerReader
+
+    pieces = ['Sure.<tool_call>{"name": "f", "arguments": {"a"', ": 1", "}}</tool_call>",
+              '<tool_call>{"name": "g", "arguments": {', '"b": 2}}</tool_call>']
+    for parallel in (True, False):
+        reader = AnswerReader(None, "hermes", parallel=parallel)
+        out = [reader.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert [content for _, content, _ in out] == ["Sure.", "", "", "", ""]
+        calls = [calls for _, _, calls in out]
+        first = calls[0][0]
+        assert first["id"].startswith("call_") and first == {
+            "index": 0, "id": first["id"], "type": "function",
+            "function": {"name": "f", "arguments": '{"a"'}}
+        assert calls[1:3] == [[{"index": 0, "function": {"arguments": ": 1"}}],
+                              [{"index": 0, "function": {"arguments": "}"}}]]
+        if parallel:
+            assert calls[3][0]["function"] == {"name": "g", "arguments": "{"}
+            assert calls[4] == [{"index": 1, "function": {"arguments": '"b": 2}'}}]
+        else:  # the second call, first delta and pieces, is dropped
+            assert calls[3:] == [[], []]
+        assert reader.calls == (2 if parallel else 1)
 
 
 def test_reasoning_parser_splits_the_thinking_off_whole_and_streamed():

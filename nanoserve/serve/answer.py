@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.serve.reasoning import REASONING_PARSERS
-from nanoserve.serve.tool_parsers import make_tool_parser
+from nanoserve.serve.tool_parsers import ToolCallDelta, make_tool_parser
 
 
 def answer_starts_in(prompt: str) -> str:
@@ -31,7 +31,7 @@ class AnswerReader:
         self.reasoning = REASONING_PARSERS[reasoning](starts_in) if reasoning else None
         self.tools = make_tool_parser(tools) if tools else None
         self.max_calls = None if parallel else 1
-        self.calls = 0  # tool calls streamed so far
+        self.calls = 0  # tool calls whose streaming has begun
 
     def read(self, text: str, finish_reason: str) -> dict[str, Any]:
         """The whole answer: {"text"} and, where there are any, "reasoning_content" and
@@ -53,7 +53,8 @@ class AnswerReader:
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
         """The next piece of a streamed answer (final: the last): its reasoning, content and
-        tool-call deltas as OpenAI streams them (the first of a call with its id and name)."""
+        tool-call deltas as OpenAI streams them: a call's first with its id and name, then the
+        pieces of its arguments (parallel False: those of its first call only)."""
         reasoning, content = "", text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)
@@ -64,12 +65,15 @@ class AnswerReader:
             return reasoning, content, []
         deltas = [self.tools.feed(content)] + ([self.tools.finish()] if final else [])
         calls = [call for d in deltas for call in d.tool_calls
-                 if self.max_calls is None or call.index < self.max_calls]
+                 if (self.max_calls is None or call.index < self.max_calls)
+                 and (call.name is not None or call.arguments)]
         self.calls += sum(1 for call in calls if call.name is not None)
         return reasoning, "".join(d.content for d in deltas), [_delta_body(c) for c in calls]
 
 
-def _delta_body(call) -> dict[str, Any]:
+def _delta_body(call: ToolCallDelta) -> dict[str, Any]:
+    """A call's first delta: index, id, type and function name and arguments; a later one:
+    index and the next piece of function arguments."""
     fn: dict[str, Any] = {"arguments": call.arguments}
     body: dict[str, Any] = {"index": call.index, "function": fn}
     if call.name is not None:

@@ -1,16 +1,29 @@
 """Tool calls out of a model's text, whole (parse) or as it streams (feed, then finish).
 
-A parser reads one request's output. Streaming agrees with parse for any cutting of the text into
-deltas: the content pieces concatenate to parse()'s content ("" for None), and each call comes out
-once, in order, with parse()'s name and arguments.
+A parser reads one request's output. A call is a JSON object with a non-empty string "name" and
+"arguments" (Llama's "parameters") that is an object or a string holding the JSON; where a key
+comes twice, its first member counts (streaming cannot wait for later ones). A call's arguments
+are the model's own text of the object, not a re-serialization (its spacing and escapes kept:
+no ensure_ascii question arises), or the string's content.
+
+Streaming hands a call out as OpenAI streams it: once its name is read and its arguments object
+has opened, a first delta with the call's index, id and name, then the arguments' text in
+pieces as the model writes them, up to the brace that closes them. A call whose arguments come
+before its name, or are not an object, goes out whole, in one delta, once its text is complete.
+
+For valid calls streaming agrees with parse for any cutting of the text into deltas: the content
+pieces concatenate to parse()'s content ("" for None), and each call comes out once, in order,
+with parse()'s name, its argument pieces concatenating to parse()'s arguments.
 
 Content is the text outside the calls, stripped of surrounding whitespace. Text that only looks
 like a call (bad JSON, no name, no arguments, an open tag the output never closed) is content,
 verbatim: nothing here raises on a model's output.
 
-A streamed call is handed out whole, in one delta, once its text is complete. Only then is it
-certain to be a call: a model cut off by max_tokens, or writing bad JSON mid-arguments, would
-otherwise have streamed pieces of a call that parse() reports as content.
+Broken calls are where streaming and parse() differ. A call that began to stream and then proves
+broken (bad JSON, cut off by max_tokens, its tag never closed) stays a call in the stream, with
+the pieces it had: a stream cannot take back what it sent (OpenAI and vLLM stream calls the same
+way). Nothing more goes out for it, not even as content. parse() of the same text, which sees
+it whole, reports it as content.
 """
 
 from __future__ import annotations
@@ -20,13 +33,14 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from json.decoder import scanstring
 
 
 @dataclass(frozen=True)
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text, as OpenAI returns it
+    arguments: str  # JSON text, as OpenAI returns it: the model's own (see above)
 
 
 @dataclass(frozen=True)
@@ -56,28 +70,60 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def call_from_json(obj: object) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a decoded call, or None when it is not one. A call is an object
-    with a non-empty string "name" and "arguments" (Llama's "parameters") that is an object
-    (serialized here) or a string (taken as the JSON already)."""
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    arguments = obj.get("arguments", obj.get("parameters"))
-    if not isinstance(name, str) or not name:
-        return None
-    if isinstance(arguments, dict):
-        return name, json.dumps(arguments, ensure_ascii=False)
-    if isinstance(arguments, str):
-        return name, arguments
-    return None
+_JSON_SPACE = " \t\n\r"
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_ARGUMENT_KEYS = ("arguments", "parameters")
 
 
-def decode_call(text: str) -> tuple[str, str] | None:
+def _skip_json_space(text: str, pos: int) -> int:
+    return _SPACE.match(text, pos).end()
+
+
+def _object_members(text: str, pos: int) -> tuple[list[tuple[str, object, int, int]], int]:
+    """The members of the JSON object at text[pos], in order, as (key, value, where the value's
+    text starts, where it ends), and where the object ends. ValueError where it is not one."""
+    if not text.startswith("{", pos):
+        raise ValueError("not an object")
+    members: list[tuple[str, object, int, int]] = []
+    pos = _skip_json_space(text, pos + 1)
+    if text.startswith("}", pos):
+        return members, pos + 1
+    while True:
+        if not text.startswith('"', pos):
+            raise ValueError("not a key")
+        key, pos = scanstring(text, pos + 1)
+        pos = _skip_json_space(text, pos)
+        if not text.startswith(":", pos):
+            raise ValueError("no colon")
+        start = _skip_json_space(text, pos + 1)
+        value, pos = _DECODER.raw_decode(text, start)
+        members.append((key, value, start, pos))
+        pos = _skip_json_space(text, pos)
+        if text.startswith("}", pos):
+            return members, pos + 1
+        if not text.startswith(",", pos):
+            raise ValueError("no comma")
+        pos = _skip_json_space(text, pos + 1)
+
+
+def read_call(text: str, pos: int = 0) -> tuple[str, str, int] | None:
+    """The call whose JSON object starts at text[pos] as (name, arguments, where the object
+    ends), or None when the text there is not one (see the module's docstring)."""
     try:
-        return call_from_json(json.loads(text))
+        members, end = _object_members(text, pos)
     except (ValueError, RecursionError):
         return None
+    name = next((value for key, value, _, _ in members if key == "name"), None)
+    arguments = next((m for m in members if m[0] in _ARGUMENT_KEYS), None)
+    if not isinstance(name, str) or not name or arguments is None:
+        return None
+    _, value, start, stop = arguments
+    if isinstance(value, dict):
+        return name, text[start:stop], end
+    if isinstance(value, str):
+        return name, value, end
+    return None
 
 
 def partial_tag_len(text: str, tag: str) -> int:
@@ -109,6 +155,99 @@ class StrippedPieces:
         return body
 
 
+def _json_string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
+
+
+class _CallText:
+    """A call's JSON object read as its text grows, each character once: its first "name"
+    member's string, where its arguments object opens and closes (when it can stream: an object
+    after the name), and where the call's object ends. Braces and brackets are counted outside
+    strings, escapes followed: on valid JSON all of this is what read_call finds, and on invalid
+    JSON read_call finds no call whatever this reads."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start  # the text before pos has been read
+        self.depth = 0  # braces and brackets open, outside strings
+        self.in_string = False
+        self.escaped = False
+        self.string_at = 0  # where the string being read opened
+        # "object" until its brace; at depth 1 "key", "value" or "" (in one); "junk": no object
+        self.expect = "object"
+        self.key: str | None = None  # the key of the member being read
+        self.met: set[str] = set()  # "name", "arguments": their first members have begun
+        self.reading_name = False
+        self.name: str | None = None
+        self.args_at: int | None = None  # where the arguments object opens, when it streams
+        self.args_end: int | None = None  # just after the brace that closes it
+        self.end: int | None = None  # just after the brace that closes the call's object
+        self.index: int | None = None  # the call's index, once its first delta went out
+        self.sent = 0  # in the text, where the arguments not yet handed out start
+
+    def read(self, text: str, stop: int) -> None:
+        """Reads on up to text[stop] or the object's end, whichever comes first."""
+        while self.pos < stop and self.end is None:
+            self._char(text, self.pos)
+            self.pos += 1
+
+    def _char(self, text: str, i: int) -> None:
+        c = text[i]
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+                if self.depth == 1:
+                    self._string_read(text[self.string_at:i + 1])
+            return
+        if self.depth == 0:
+            if self.expect == "object" and c == "{":
+                self.depth, self.expect = 1, "key"
+            elif c not in _JSON_SPACE:
+                self.expect = "junk"  # not an object: nothing more to learn
+            return
+        if self.depth == 1 and self.expect == "value" and c not in _JSON_SPACE:
+            self._value_opens(c, i)
+        if c == '"':
+            self.in_string, self.string_at = True, i
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                self.end = i + 1
+            elif self.depth == 1 and self.args_at is not None and self.args_end is None:
+                self.args_end = i + 1
+        elif self.depth == 1 and c == ":":
+            self.expect = "value"
+        elif self.depth == 1 and c == ",":
+            self.expect = "key"
+
+    def _string_read(self, literal: str) -> None:
+        if self.expect == "key":
+            self.key, self.expect = _json_string(literal), ""
+        elif self.reading_name:
+            self.reading_name = False
+            self.name = _json_string(literal) or None
+
+    def _value_opens(self, c: str, i: int) -> None:
+        self.expect = ""
+        member = "arguments" if self.key in _ARGUMENT_KEYS else self.key
+        if member not in ("name", "arguments") or member in self.met:
+            return
+        self.met.add(member)
+        if member == "name":
+            self.reading_name = c == '"'
+        elif c == "{" and self.name is not None:
+            self.args_at = self.sent = i
+        # otherwise the call (if it is one) goes out whole at its end
+
+
 def _parsed(content: str, calls: list[ToolCall]) -> ParsedOutput:
     return ParsedOutput(content.strip() or None, calls)
 
@@ -134,13 +273,37 @@ class ToolParser(ABC):
         self._calls_out += 1
         return ToolCallDelta(self._calls_out - 1, new_call_id(), name, arguments)
 
+    def _stream(self, call: _CallText, text: str, stop: int) -> list[ToolCallDelta]:
+        """Reads `call` on to text[stop]: its first delta once it can stream, then each new piece
+        of its arguments."""
+        call.read(text, stop)
+        if call.args_at is None:
+            return []
+        upto = call.pos if call.args_end is None else call.args_end
+        piece, call.sent = text[call.sent:upto], upto
+        if call.index is None:
+            first = self._call_delta(call.name, piece)
+            call.index = first.index
+            return [first]
+        return [ToolCallDelta(call.index, None, None, piece)] if piece else []
+
     def _delta(self, content: list[str], calls: list[ToolCallDelta]) -> StreamDelta:
         return StreamDelta(self._content.push("".join(content)), calls)
 
 
+def _body_call(body: str) -> tuple[str, str] | None:
+    """The call that a Hermes call's body is (JSON whitespace around it allowed), if any."""
+    call = read_call(body, _skip_json_space(body, 0))
+    if call is None or _skip_json_space(body, call[2]) != len(body):
+        return None
+    return call[0], call[1]
+
+
 class HermesToolParser(ToolParser):
     """Qwen3, Qwen2.5 and Hermes: each call is <tool_call>{"name": ..., "arguments": ...}
-    </tool_call>, anywhere in the output; the text around the calls is content."""
+    </tool_call>, anywhere in the output; the text around the calls is content. A call's body
+    ends at the first close tag, wherever it is: streamed arguments hold back what could be its
+    start."""
 
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
@@ -151,6 +314,7 @@ class HermesToolParser(ToolParser):
         self._buf = ""  # text not yet handed out
         self._in_call = False  # _buf is the body of an open call, its open tag consumed
         self._searched = 0  # in a call: _buf[:_searched] holds no close tag
+        self._call = _CallText(0)  # in a call: its body, read so far
 
     def parse(self, text: str) -> ParsedOutput:
         content: list[str] = []
@@ -158,7 +322,7 @@ class HermesToolParser(ToolParser):
         done = 0
         for match in self._CALL.finditer(text):
             content.append(text[done:match.start()])
-            call = decode_call(match.group(1))
+            call = _body_call(match.group(1))
             if call is None:
                 content.append(match.group(0))
             else:
@@ -176,15 +340,20 @@ class HermesToolParser(ToolParser):
                 end = self._buf.find(self.CLOSE, self._searched)
                 if end < 0:
                     self._searched = max(0, len(self._buf) - len(self.CLOSE) + 1)
+                    # a possible start of the close tag is not yet known to be the body's
+                    body_end = len(self._buf) - partial_tag_len(self._buf, self.CLOSE)
+                    calls += self._stream(self._call, self._buf, body_end)
                     break
+                calls += self._stream(self._call, self._buf, end)
                 body = self._buf[:end]
                 self._buf = self._buf[end + len(self.CLOSE):]
                 self._in_call = False
-                call = decode_call(body)
-                if call is None:
-                    content.append(self.OPEN + body + self.CLOSE)
-                else:
-                    calls.append(self._call_delta(*call))
+                if self._call.index is None:  # not streamed: the call goes out whole, or not
+                    call = _body_call(body)
+                    if call is None:
+                        content.append(self.OPEN + body + self.CLOSE)
+                    else:
+                        calls.append(self._call_delta(*call))
             else:
                 start = self._buf.find(self.OPEN)
                 if start < 0:
@@ -194,11 +363,14 @@ class HermesToolParser(ToolParser):
                     break
                 content.append(self._buf[:start])
                 self._buf = self._buf[start + len(self.OPEN):]
-                self._in_call, self._searched = True, 0
+                self._in_call, self._searched, self._call = True, 0, _CallText(0)
         return self._delta(content, calls)
 
     def finish(self) -> StreamDelta:
-        rest = (self.OPEN if self._in_call else "") + self._buf
+        rest = self._buf
+        if self._in_call:
+            # an unclosed call is content, unless it streamed: then it stays what it sent
+            rest = "" if self._call.index is not None else self.OPEN + rest
         self._buf, self._in_call = "", False
         return self._delta([rest], [])
 
@@ -209,43 +381,12 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-class _ObjectEnd:
-    """Where a JSON object closes, found as its text grows, by counting braces outside strings.
-    On valid JSON this is where a JSON decoder ends the object; on invalid JSON the text up to
-    it does not decode either, so streaming and parse() agree on what is a call."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-
-    def find(self, text: str, start: int) -> int:
-        """Index of the brace in text[start:] that closes the object, else -1."""
-        for i in range(start, len(text)):
-            c = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c == "{":
-                self.depth += 1
-            elif c == "}":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i
-        return -1
-
-
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1 / 3.2 JSON tool calling: the output is {"name": ..., "parameters": ...} (or
     "arguments"), possibly after <|python_tag|>, several calls separated by ";". An output that
     does not start with "{" (after whitespace and the tag) is content. Calls end at the first
-    text that is not one: from there on (from the start, when it is the first) it is content."""
+    text that is not one: from there on (from the start, when it is the first) it is content.
+    When streaming, a call that began to stream stays one, broken or not."""
 
     PYTHON_TAG = "<|python_tag|>"
 
@@ -256,27 +397,21 @@ class Llama3JsonToolParser(ToolParser):
         self._buf = ""
         self._phase = "head"  # head -> object <-> separator; content from any of them
         self._object_at = 0  # in an object: where its "{" is in _buf
-        self._scanned = 0  # in an object: _buf[:_scanned] went through _end
-        self._end = _ObjectEnd()
+        self._call = _CallText(0)  # in an object: the object, read so far
         self._semicolon_seen = False  # in a separator
 
     def parse(self, text: str) -> ParsedOutput:
         pos = self._json_start(text)
         if pos is None:
             return _parsed(text, [])
-        decoder = json.JSONDecoder()
         calls: list[ToolCall] = []
         content_at = 0
         while pos < len(text) and text[pos] == "{":
-            try:
-                obj, end = decoder.raw_decode(text, pos)
-            except (ValueError, RecursionError):
-                break
-            call = call_from_json(obj)
+            call = read_call(text, pos)
             if call is None:
                 break
-            calls.append(ToolCall(new_call_id(), *call))
-            pos = _skip_space(text, end)
+            calls.append(ToolCall(new_call_id(), call[0], call[1]))
+            pos = _skip_space(text, call[2])
             if text.startswith(";", pos):
                 pos = _skip_space(text, pos + 1)
             content_at = pos
@@ -296,17 +431,10 @@ class Llama3JsonToolParser(ToolParser):
             if self._phase == "head" and not self._read_head():
                 break
             if self._phase == "object":
-                end = self._end.find(self._buf, self._scanned)
-                if end < 0:
-                    self._scanned = len(self._buf)
+                calls += self._stream(self._call, self._buf, len(self._buf))
+                if self._call.end is None:
                     break
-                call = decode_call(self._buf[self._object_at:end + 1])
-                if call is None:
-                    self._phase = "content"
-                else:
-                    calls.append(self._call_delta(*call))
-                    self._buf = self._buf[end + 1:]
-                    self._phase, self._semicolon_seen = "separator", False
+                calls += self._close_object()
             if self._phase == "separator" and not self._read_separator():
                 break
             if self._phase == "content":
@@ -314,6 +442,21 @@ class Llama3JsonToolParser(ToolParser):
                 self._buf = ""
                 break
         return self._delta(content, calls)
+
+    def _close_object(self) -> list[ToolCallDelta]:
+        """At its object's end: a call goes out whole, unless it streamed, and calls go on; text
+        that is not a call is content from its start on. A streamed call counts as a call here
+        even where it proves broken: the stream has made it one."""
+        whole: list[ToolCallDelta] = []
+        if self._call.index is None:
+            call = read_call(self._buf, self._object_at)
+            if call is None:
+                self._phase = "content"
+                return []
+            whole.append(self._call_delta(call[0], call[1]))
+        self._buf = self._buf[self._call.end:]
+        self._phase, self._semicolon_seen = "separator", False
+        return whole
 
     def _read_head(self) -> bool:
         """Decides from the output's start whether it is JSON; False while it cannot yet."""
@@ -348,11 +491,12 @@ class Llama3JsonToolParser(ToolParser):
         return False
 
     def _start_object(self, at: int) -> None:
-        self._phase, self._object_at, self._scanned = "object", at, at
-        self._end = _ObjectEnd()
+        self._phase, self._object_at, self._call = "object", at, _CallText(at)
 
     def finish(self) -> StreamDelta:
-        rest, self._buf, self._phase = self._buf, "", "content"
+        streamed = self._phase == "object" and self._call.index is not None
+        rest = "" if streamed else self._buf  # a streamed call stays what it sent
+        self._buf, self._phase = "", "content"
         return self._delta([rest], [])
 
 
