@@ -43,6 +43,11 @@ def config_key(num_experts: int, hidden: int, inter: int) -> str:
 
 
 @functools.cache
+def _device_name(index: int | None) -> str:  # asked every layer of every step: once
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def _tuned(device_name: str) -> dict:
     path = CONFIG_DIR / (device_name.replace(" ", "_") + ".json")
     return json.loads(path.read_text()) if path.exists() else {}
@@ -51,8 +56,7 @@ def _tuned(device_name: str) -> dict:
 def tiles_for(pairs: int, num_experts: int, hidden: int, inter: int,
               device: torch.device) -> MoETiles:
     """The tuned tiles of the smallest band holding `pairs` on this GPU, else the defaults."""
-    bands = _tuned(torch.cuda.get_device_name(device)).get(config_key(num_experts, hidden,
-                                                                      inter), {})
+    bands = _tuned(_device_name(device.index)).get(config_key(num_experts, hidden, inter), {})
     for limit in sorted(int(b) for b in bands):
         if pairs <= limit:
             return MoETiles(**bands[str(limit)])
