@@ -13,6 +13,7 @@ from torch import nn
 
 from nanoserve.models.layers import MergedLinear
 from nanoserve.models.moe import Experts
+from nanoserve.quant.linear import QuantizedLinear
 
 # checkpoint name part -> (fused module name, shard index)
 FUSED_SHARDS = {
@@ -55,6 +56,9 @@ def checkpoint_target(name: str) -> Target:
 def destination(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
                 target: Target) -> torch.Tensor:
     """The view of the model's parameter that `target` fills."""
+    module_name, attr = target.param.rsplit(".", 1)
+    if isinstance(modules[module_name], QuantizedLinear):  # each tensor its own layout
+        return modules[module_name].shard_view(attr, target.shard or 0)
     dst = params[target.param]
     if target.expert is not None:
         dst = dst[target.expert]
@@ -66,7 +70,8 @@ def destination(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
 def pieces(name: str, module: nn.Module) -> list[Target]:
     """Every piece of parameter `name` a checkpoint must fill (one per expert and shard)."""
     stacked = isinstance(module, Experts)
-    sharded = isinstance(module, MergedLinear) or (stacked and name.endswith("gate_up_proj"))
+    sharded = isinstance(module, MergedLinear) or (stacked and name.endswith("gate_up_proj")) \
+        or (isinstance(module, QuantizedLinear) and len(module.shard_sizes) > 1)
     experts = range(module.num_experts) if stacked else [None]
     shards = range(len(module.shard_sizes)) if sharded else [None]
     return [Target(name, e, s) for e in experts for s in shards]

@@ -9,6 +9,7 @@ from pathlib import Path
 from nanoserve.distributed.parallel_state import tp_size
 from nanoserve.models.registry import Family, family_of
 from nanoserve.models.rope import ROPE_TYPES
+from nanoserve.quant.config import QuantConfig, UnsupportedQuantization
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None  # the checkpoint's quantized linear layers
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -75,6 +77,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=_sliding_window(raw, family),
             **(_moe(raw, layers) if family.moe else {}),
+            quantization=_quantization(raw, family),
         )
 
     @classmethod
@@ -102,6 +105,9 @@ class ModelConfig:
             splits["intermediate_size"] = self.intermediate_size
         if self.moe_layers:
             splits["moe_intermediate_size"] = self.moe_intermediate_size
+        if self.quantization is not None and size > 1:
+            raise ValueError(f"a quantized checkpoint ({self.quantization.method}) runs at "
+                             f"tensor parallel size 1 for now, not {size}")
         bad = [f"{name} {n}" for name, n in splits.items() if n % size]
         if bad:
             raise ValueError(f"tensor parallel size {size} does not divide the {self.architecture} "
@@ -120,6 +126,15 @@ class ModelConfig:
         size = tp_size() if size is None else size
         self.check_tensor_parallel(size)
         return self.num_heads // size
+
+
+def _quantization(raw: dict, family: Family) -> QuantConfig | None:
+    quant = QuantConfig.from_dict(raw.get("quantization_config"))
+    if quant is not None and family.moe:
+        raise UnsupportedQuantization(f"quantized mixture-of-experts checkpoints "
+                                      f"({quant.method}) are not supported yet; their dense "
+                                      f"(bf16) releases are")
+    return quant
 
 
 def _rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:

@@ -34,6 +34,7 @@ from nanoserve.models.layers import (
 )
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
+from nanoserve.quant.linear import QuantizedLinear
 
 
 class Attention(nn.Module):
@@ -71,6 +72,23 @@ class Attention(nn.Module):
         return self.backend.forward(positions, q, k, v, self)
 
 
+def linear(cfg: ModelConfig, names: list[str], in_features: int, shard_sizes: list[int],
+           bias: bool) -> nn.Module:
+    """The linear layer over checkpoint modules `names` (their outputs stacked, one shard each):
+    held quantized where the checkpoint quantizes them (all or none of a fused layer's)."""
+    quant = cfg.quantization
+    quantized = [quant is not None and quant.quantizes(name) for name in names]
+    if any(quantized):
+        if not all(quantized):
+            raise ValueError(f"the checkpoint quantizes some of {', '.join(names)} and not the "
+                             f"others; nanoserve fuses them into one layer")
+        # the 4-bit formats' scales are float16 in their checkpoints
+        return QuantizedLinear(in_features, shard_sizes, bias, quant, torch.float16)
+    if len(shard_sizes) > 1:
+        return MergedLinear(in_features, shard_sizes, bias)
+    return Linear(in_features, shard_sizes[0], bias=bias)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -78,8 +96,10 @@ class SelfAttention(nn.Module):
         heads = shard(cfg.num_heads, "num_attention_heads")[1]
         kv_heads = shard(cfg.num_kv_heads, "num_key_value_heads")[1]
         self.q_size, self.kv_size = heads * d, kv_heads * d
-        self.qkv_proj = MergedLinear(h, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, h, bias=False)
+        at = f"model.layers.{layer_id}.self_attn."
+        self.qkv_proj = linear(cfg, [at + "q_proj", at + "k_proj", at + "v_proj"], h,
+                               [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias)
+        self.o_proj = linear(cfg, [at + "o_proj"], self.q_size, [h], bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -95,11 +115,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         i = shard(cfg.intermediate_size, "intermediate_size")[1]
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=False)
-        self.down_proj = Linear(i, cfg.hidden_size, bias=False)
+        at = f"model.layers.{layer_id}.mlp."
+        self.gate_up_proj = linear(cfg, [at + "gate_proj", at + "up_proj"], cfg.hidden_size,
+                                   [i, i], bias=False)
+        self.down_proj = linear(cfg, [at + "down_proj"], i, [cfg.hidden_size], bias=False)
         self.down_proj.lt_rows = DOWN_LT_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +134,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg) if layer_id not in cfg.moe_layers else SparseMoE(
+        self.mlp = MLP(cfg, layer_id) if layer_id not in cfg.moe_layers else SparseMoE(
             cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
             shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1], cfg.norm_topk_prob)
 

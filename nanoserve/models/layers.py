@@ -116,9 +116,9 @@ class Linear(nn.Linear):
         return self._zero_bias
 
 
-def silu_mul_linear(linear: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) * up) for rows [gate | up]: one kernel where the skinny matmul runs."""
-    if linear.skinny(gate_up, silu=True):
+    if isinstance(linear, Linear) and linear.skinny(gate_up, silu=True):
         from nanoserve.models import triton_linear
         return triton_linear.skinny_silu_linear(gate_up, linear.weight, linear.bias)
     return linear(silu_and_mul(gate_up))

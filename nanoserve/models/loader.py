@@ -17,6 +17,7 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
 from nanoserve.models.parallel import copy_rank_part, full_shape, read_rank_part
 from nanoserve.models.sizes import num_model_params
+from nanoserve.quant.linear import QuantizedLinear
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 SHIPPED_CONFIGS = PACKAGE_DIR / "model_configs"
@@ -111,7 +112,11 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0,
     """Bytes of the model one rank builds under tensor parallelism of `tp` ranks (default:
     this process's TP size): its weights in `dtype` plus the fp32 RoPE table of `max_len`."""
     tp = tp_size() if tp is None else tp
-    return num_model_params(cfg, tp) * dtype.itemsize + max_len * cfg.head_dim * 4
+    rope = max_len * cfg.head_dim * 4
+    if cfg.quantization is not None:  # the quantized tensors' own bytes (TP=1 only)
+        return sum(p.numel() * p.element_size()
+                   for p in build_model(cfg, 0, dtype, torch.device("meta")).parameters()) + rope
+    return num_model_params(cfg, tp) * dtype.itemsize + rope
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -189,8 +194,12 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
+                if name.endswith(".input_scale"):  # static activation scales: activations
+                    continue  # run unquantized here (weight-only)
                 target = checkpoint_target(name)
                 if target.param not in params:
+                    if name.endswith(".bias") and not f.get_tensor(name).any():
+                        continue  # GPTQ checkpoints hold zero biases of bias-free layers
                     raise KeyError(f"checkpoint tensor {name} has no place in the model")
                 owner = _owner(modules, target.param)
                 src = f.get_slice(name)  # reads only this rank's part from disk
@@ -221,7 +230,12 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     the ranks together hold exactly the TP=1 model of the same seed."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     modules = dict(model.named_modules())
+    quantized = {name for name, m in modules.items() if isinstance(m, QuantizedLinear)}
+    for name in sorted(quantized):
+        modules[name].fill_dummy(gen)
     for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[0] in quantized:
+            continue
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):

@@ -1,0 +1,70 @@
+"""A linear layer whose weight is held quantized, in its checkpoint's own tensors
+(quant/formats.py): the memory it takes, and the weight bytes a step reads, are the quantized
+ones.
+
+Its product dequantizes the weight and multiplies: the reference path, on every device. The
+fused kernels for each format (dequantizing inside the GEMM / GEMV) come in beside it, tested
+against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.quant.config import QuantConfig
+from nanoserve.quant.formats import dequantize, fill_dummy, tensor_specs
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ bias) for W [sum(shard_sizes), in_features], held quantized. A fused
+    projection's shards (q, k, v; gate, up) sit side by side in each tensor (shard_view);
+    tensors without an output dimension (a per-tensor scale, GPTQ's g_idx) hold one per
+    shard."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool,
+                 quant: QuantConfig, scale_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.shard_sizes, self.quant = in_features, shard_sizes, quant
+        self.out_features = sum(shard_sizes)
+        self.specs = [tensor_specs(quant, n, in_features, scale_dtype) for n in shard_sizes]
+        for name, spec in self.specs[0].items():
+            if spec.out_dim is None:
+                shape = (len(shard_sizes), *spec.shape)
+            else:
+                shape = list(spec.shape)
+                shape[spec.out_dim] = sum(s[name].shape[spec.out_dim] for s in self.specs)
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=spec.dtype),
+                                                       requires_grad=False))
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def shard_view(self, name: str, shard: int) -> torch.Tensor:
+        """Shard `shard`'s part of tensor `name` (what the checkpoint's q_proj.`name` fills)."""
+        if name == "bias":
+            start = sum(self.shard_sizes[:shard])
+            return self.bias[start:start + self.shard_sizes[shard]]
+        spec = self.specs[shard][name]
+        tensor = getattr(self, name)
+        if spec.out_dim is None:
+            return tensor[shard]
+        start = sum(s[name].shape[spec.out_dim] for s in self.specs[:shard])
+        return tensor.narrow(spec.out_dim, start, spec.shape[spec.out_dim])
+
+    def shard_tensors(self, shard: int) -> dict[str, torch.Tensor]:
+        return {name: self.shard_view(name, shard) for name in self.specs[shard]}
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [out_features, in_features] in `dtype`."""
+        return torch.cat([dequantize(self.quant, self.shard_tensors(i), n, self.in_features,
+                                     dtype) for i, n in enumerate(self.shard_sizes)])
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        for shard in range(len(self.shard_sizes)):
+            fill_dummy(self.quant, self.shard_tensors(shard), generator)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)

@@ -1,0 +1,184 @@
+"""Quantized checkpoints (nanoserve/quant/): a tiny random Qwen3 written in each published format
+by the tests' own quantizer (tests/quant_checkpoints.py), read by nanoserve, gives the logits and
+greedy tokens of transformers' model holding the dequantized weights; the weights stay
+quantized in memory; a method nanoserve does not run is refused before loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import make_hf_model, random_prompts
+from helpers import engine_prefill_logits, make_llm
+from quant_checkpoints import quantize_checkpoint
+
+from nanoserve import SamplingParams
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.loader import model_bytes
+from nanoserve.quant import QuantConfig, QuantizedLinear, UnsupportedQuantization
+
+FORMATS = {
+    "fp8 block 128x128 (partial blocks: k, v have 32 rows)": ("fp8_block", {}),
+    "fp8 block 16x32": ("fp8_block", {"block": (16, 32)}),
+    "fp8 per channel (compressed-tensors)": ("fp8_channel", {}),
+    "fp8 per tensor (compressed-tensors)": ("fp8_tensor", {}),
+    "awq group 32": ("awq", {"group": 32}),
+    "gptq group 32": ("gptq", {"group": 32}),
+    "gptq group 32, act-order": ("gptq", {"group": 32, "act_order": True}),
+    "gptq_v2 group 16, act-order": ("gptq", {"group": 16, "act_order": True, "v2": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-to-quantize")
+    make_hf_model("qwen3", path, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def quantized(request, source, tmp_path_factory):
+    method, options = FORMATS[request.param]
+    path = tmp_path_factory.mktemp("quantized")
+    dequantized = quantize_checkpoint(source, path, method, **options)
+    twin = transformers.Qwen3ForCausalLM(transformers.AutoConfig.from_pretrained(source)).eval()
+    twin.load_state_dict({k: v.float() for k, v in dequantized.items()})
+    return request.param, path, twin
+
+
+def test_logits_and_greedy_tokens_equal_the_dequantized_twins(quantized):
+    name, path, twin = quantized
+    llm = make_llm(path, page_size=8)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * 3  # qkv, o, gate_up, down of each of the 3 layers
+    ids = random_prompts(1, [37], seed=5)[0]
+    with torch.no_grad():
+        ref = twin(torch.tensor([ids])).logits[0].float()
+    err = (engine_prefill_logits(llm, ids) - ref).abs().max().item()
+    assert err < 2e-4, f"{name}: max |logit diff| {err}"
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with torch.no_grad():
+        want = twin.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert llm.generate(ids, params)[0].token_ids == want, name
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+def test_transformers_own_reading_of_an_fp8_checkpoint_gives_the_same_logits(source, tmp_path,
+                                                                             block):
+    """transformers itself (on the CPU it dequantizes fine-grained FP8 checkpoints) reads the
+    tests' FP8 checkpoint: its logits are nanoserve's, so the tests' format is the published
+    one."""
+    quantize_checkpoint(source, tmp_path, "fp8_block", block=block)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = random_prompts(1, [29], seed=6)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    ours = engine_prefill_logits(make_llm(tmp_path, page_size=8), ids)
+    assert (ours - ref).abs().max().item() < 2e-4
+
+
+def test_the_weights_stay_quantized_in_memory(quantized):
+    """The linear layers hold their checkpoint's tensors (fp8 or packed int32, a quarter or a
+    half of float32's bytes with the scales), and the model's memory counts them so."""
+    name, path, _ = quantized
+    model = make_llm(path, page_size=8).engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear)
+    dtypes = {p.dtype for p in qkv.parameters()}
+    assert torch.float8_e4m3fn in dtypes or torch.int32 in dtypes
+    held = sum(p.numel() * p.element_size() for p in qkv.parameters())
+    dense = qkv.out_features * qkv.in_features * 4
+    assert held < dense * (0.3 if "fp8" in name else 0.2), held / dense
+    cfg = ModelConfig.from_dir(path)
+    want = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes(cfg, torch.float32, 0, tp=1) == want
+
+
+def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
+    """--dummy-weights with a quantized config: random quantized tensors of about the dense
+    dummy weights' spread, and a model that runs."""
+    for method, options in (("fp8_block", {}), ("awq", {"group": 32}), ("gptq", {"group": 32})):
+        path = tmp_path / method
+        quantize_checkpoint(source, path, method, **options)
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+        llm = make_llm(path, dummy_weights=True, page_size=8)
+        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        w = qkv.dequantized(torch.float32)
+        assert 0.01 < w.std().item() < 0.04, (method, w.std().item())
+        out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "awq with 8 bits"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "awq version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with 3 bits"),
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "without weight_block_size"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "type 'int', 4 bits"),
+])
+def test_unsupported_methods_are_refused_naming_them_and_the_supported_ones(raw, message):
+    with pytest.raises(UnsupportedQuantization, match=message) as e:
+        QuantConfig.from_dict(raw)
+    assert "nanoserve runs these quantized checkpoints: fp8 (block-wise)" in str(e.value)
+
+
+def test_a_refused_method_stops_the_engine_before_any_weight_is_read(tmp_path, source):
+    quantize_checkpoint(source, tmp_path, "awq", group=32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not read")  # reading it would fail otherwise
+    with pytest.raises(UnsupportedQuantization, match="'hqq' is not supported"):
+        make_llm(tmp_path)
+
+
+def test_quantized_checkpoints_are_refused_under_tensor_parallelism(source, tmp_path):
+    quantize_checkpoint(source, tmp_path, "fp8_block")
+    with pytest.raises(ValueError, match="runs at tensor parallel size 1 for now, not 2"):
+        make_llm(tmp_path, tensor_parallel_size=2)
+
+
+def test_skipped_modules_stay_dense(source, tmp_path):
+    """modules_to_not_convert names layers the checkpoint keeps in full precision: those are
+    dense layers here, the rest quantized; a fused layer's shards must agree."""
+    dequantized = quantize_checkpoint(source, tmp_path, "awq", group=32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["model.layers.1.mlp.down_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(tmp_path / "model.safetensors")
+    for t in ("qweight", "qzeros", "scales"):
+        del tensors[f"model.layers.1.mlp.down_proj.{t}"]
+    tensors["model.layers.1.mlp.down_proj.weight"] = \
+        dequantized["model.layers.1.mlp.down_proj.weight"].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    model = make_llm(tmp_path).engine.runner.model
+    assert not isinstance(model.model.layers[1].mlp.down_proj, QuantizedLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    cfg["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.self_attn.k_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantizes some of .*q_proj.*k_proj.* and not"):
+        make_llm(tmp_path)
+
+
+def test_zero_biases_of_bias_free_layers_are_passed_over_and_others_refused(source, tmp_path):
+    """GPTQ checkpoints often hold all-zero biases for layers that have none: they load; a
+    bias that is not zero has no place in such a model and is an error."""
+    from safetensors.torch import load_file, save_file
+    quantize_checkpoint(source, tmp_path, "gptq", group=32)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert make_llm(tmp_path).generate([1, 2], SamplingParams(max_tokens=2))[0].token_ids
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.full((64,), 0.5)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="o_proj.bias has no place"):
+        make_llm(tmp_path)
