@@ -42,7 +42,7 @@ from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.kv.synthetic import fill_random
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.loader import resolve_model_dir
+from nanoserve.models.loader import model_bytes, resolve_model_dir
 from nanoserve.models.sizes import num_active_params, num_model_params, unread_expert_params
 from nanoserve.text import plural
 
@@ -137,6 +137,10 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
     a sparse layer reads E (1 - (1 - k/E)^batch) experts, the expectation under uniform
     routing (k at batch 1; Qwen3-30B-A3B: 8, 51.6, 111.8 of 128 at batch 1, 8, 32)."""
     emb = cfg.vocab_size * cfg.hidden_size
+    if cfg.quantization is not None:  # the quantized layers' own bytes (dense models only)
+        dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+        return model_bytes(cfg, dtype, tp=1) - (0 if cfg.tie_word_embeddings else
+                                                emb * dtype_bytes)
     read = num_model_params(cfg) - emb - unread_expert_params(cfg, batch)
     return read * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
 
@@ -536,7 +540,7 @@ def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> boo
     kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.bfloat16)  # auto: bf16 on CUDA
     spec = KVSpec.for_model(cfg, EngineConfig().page_size, kv_dtype)
     kv = kv_pages_needed(args, input_len, batch, spec.page_size) * spec.page_bytes()
-    weights = num_model_params(cfg) * 2
+    weights = model_bytes(cfg, torch.bfloat16, tp=1)
     return (weights + kv) / tp < 0.9 * free
 
 

@@ -313,3 +313,18 @@ def test_a_shared_prefix_batch_that_fits_only_shared_is_not_refused():
     # a decode step loads the document's 2 pages once for all 4 requests (each one's own page
     # is its tail), for each of the 4 streamed layers
     assert row["h2d_bytes_per_step"] == 4 * 2 * lpb
+
+
+def test_quantized_floors_count_the_quantized_bytes():
+    """A quantized shape's decode floor reads its quantized layers' tensors and the dense rest,
+    less the input embedding: FP8 about half of bf16's bytes, AWQ about a third."""
+    from bench_offload import weight_bytes
+    from nanoserve.models.loader import model_bytes, resolve_model_dir
+
+    dense = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
+    emb = 2 * dense.vocab_size * dense.hidden_size
+    for name, share in (("Qwen3-8B-FP8", (0.53, 0.55)), ("Qwen3-8B-AWQ", (0.31, 0.33))):
+        cfg = ModelConfig.from_dir(resolve_model_dir(name, dummy_weights=True))
+        got = weight_bytes(cfg, 2, 1)
+        assert got == model_bytes(cfg, torch.bfloat16, tp=1) - emb
+        assert share[0] < got / weight_bytes(dense, 2, 1) < share[1], name

@@ -182,3 +182,25 @@ def test_zero_biases_of_bias_free_layers_are_passed_over_and_others_refused(sour
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(KeyError, match="o_proj.bias has no place"):
         make_llm(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B-FP8", "Qwen3-8B-AWQ"])
+def test_the_shipped_quantized_shapes_count_their_quantized_bytes(name):
+    """Qwen3-8B's shapes in FP8 block-wise and AWQ (for --dummy-weights runs): the model's bytes
+    are the quantized layers' tensors (weights, scales, zero points) plus the dense rest in
+    bf16, counted here from the formats' layouts."""
+    from nanoserve.models.loader import SHIPPED_CONFIGS
+    cfg = ModelConfig.from_dir(SHIPPED_CONFIGS / name)
+    h, q, kv, inter, layers, vocab = 4096, 4096, 1024, 12288, 36, 151936
+    shards = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]  # (n, k)
+
+    def cdiv(a, b):
+        return -(-a // b)
+
+    if name.endswith("FP8"):
+        per_layer = sum(n * k + cdiv(n, 128) * cdiv(k, 128) * 4 for n, k in shards)
+    else:
+        per_layer = sum(n * k // 2 + (k // 128) * (n // 8) * 4 + (k // 128) * n * 2
+                        for n, k in shards)
+    dense = 2 * (2 * vocab * h + layers * (2 * h + 2 * 128) + h)
+    assert model_bytes(cfg, torch.bfloat16, 0, tp=1) == layers * per_layer + dense
