@@ -106,6 +106,26 @@ def cases():
     yield "SiLU-multiply + skinny matmul", lambda: skinny_silu_linear(
         torch.zeros(1, 2 * 12288, dtype=bf16), torch.zeros(4096, 12288, dtype=bf16))
     yield from moe_cases()
+    yield from quant_cases()
+
+
+def quant_cases():
+    """The quantized-weight GEMM in each format, bf16 rows, a 4096 x 4096 weight."""
+    from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ, quant_gemm
+
+    n = k = 4096
+    x = torch.zeros(16, k, dtype=torch.bfloat16)
+    scales = torch.ones(n // 128, k // 128)
+    yield "quantized GEMM, FP8 block-wise", lambda: quant_gemm(
+        x, FP8, torch.zeros(n, k, dtype=torch.float8_e4m3fn), scales, n,
+        scale_row=torch.zeros(n, dtype=torch.int32), scale_cols=128)
+    int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
+                scales=torch.ones(k // 128, n, dtype=torch.float16))
+    yield "quantized GEMM, AWQ", lambda: quant_gemm(
+        x, AWQ, torch.zeros(k, n // 8, dtype=torch.int32), n=n, **int4)
+    yield "quantized GEMM, GPTQ", lambda: quant_gemm(
+        x, GPTQ, torch.zeros(k // 8, n, dtype=torch.int32), n=n,
+        g_idx=torch.zeros(k, dtype=torch.int32), zero_offset=1, **int4)
 
 
 def moe_cases():

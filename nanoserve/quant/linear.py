@@ -68,3 +68,49 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The product through the Triton kernel that dequantizes inside the GEMM
+        (quant/triton_gemm.py), for rows x [M, in_features]; None where the kernel does not take
+        this layer (a fused GPTQ layer whose shards' g_idx differ)."""
+        from nanoserve.quant import triton_gemm
+        args = self._kernel_args()
+        if args is None:
+            return None
+        y = triton_gemm.quant_gemm(x, n=self.out_features, **args)
+        return y if self.bias is None else y + self.bias
+
+    def _kernel_args(self) -> dict | None:
+        """The kernel's view of this layer's tensors, built once (per-output scale rows)."""
+        key = self.shard_view(next(iter(self.specs[0])), 0).data_ptr()
+        if getattr(self, "_args_key", None) == key:
+            return self._args
+        from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ
+        q, device = self.quant, self.shard_view(next(iter(self.specs[0])), 0).device
+        args: dict | None
+        if q.method.startswith("fp8"):
+            rows, first = [], 0
+            for i, n in enumerate(self.shard_sizes):
+                if q.method == "fp8_block":
+                    rows.append(first + torch.arange(n) // q.block[0])
+                    first += self.specs[i]["weight_scale_inv"].shape[0]
+                elif q.method == "fp8_channel":
+                    rows.append(first + torch.arange(n))
+                    first += n
+                else:
+                    rows.append(torch.full((n,), i))
+            scales = self.weight_scale_inv if q.method == "fp8_block" else \
+                self.weight_scale.reshape(-1, 1)
+            args = dict(fmt=FP8, w=self.weight, scales=scales,
+                        scale_row=torch.cat(rows).to(device, torch.int32),
+                        scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30)
+        elif q.method == "awq":
+            args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
+                        group=q.group_size)
+        elif all(torch.equal(self.g_idx[0], g) for g in self.g_idx[1:]):
+            args = dict(fmt=GPTQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
+                        g_idx=self.g_idx[0].contiguous(), zero_offset=int(q.zeros_less_one))
+        else:
+            args = None
+        self._args_key, self._args = key, args
+        return args
