@@ -9,12 +9,17 @@ against it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.formats import dequantize, fill_dummy, tensor_specs
+
+# the Triton GEMM (quant/triton_gemm.py) for CUDA products: off until measured on a GPU
+KERNEL = os.environ.get("NANOSERVE_QUANT_KERNEL", "0") == "1"
 
 
 class QuantizedLinear(nn.Module):
@@ -67,6 +72,10 @@ class QuantizedLinear(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if KERNEL and x.is_cuda and x.dim() == 2:
+            y = self.kernel_forward(x)
+            if y is not None:
+                return y
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -85,6 +94,8 @@ class QuantizedLinear(nn.Module):
         key = self.shard_view(next(iter(self.specs[0])), 0).data_ptr()
         if getattr(self, "_args_key", None) == key:
             return self._args
+        # built by the eager warm-up steps: a graph capture would record its copies
+        assert not torch.cuda.is_current_stream_capturing()
         from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ
         q, device = self.quant, self.shard_view(next(iter(self.specs[0])), 0).device
         args: dict | None
