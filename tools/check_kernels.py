@@ -142,6 +142,10 @@ def moe_cases():
         torch.zeros(tiles, dtype=torch.int32), ids.numel(), experts, rows, tiles, BLOCK_P=32,
         BLOCK_ROWS=triton.next_power_of_2(rows), BLOCK_TILES=triton.next_power_of_2(tiles),
         BLOCK_M=16)
+    for dtype in (torch.bfloat16, torch.float32):
+        yield f"fused MoE router, {dtype}", lambda dtype=dtype: fused_moe.route(
+            torch.zeros(4, hidden, dtype=dtype), torch.zeros(experts, hidden, dtype=dtype), k,
+            True)
     for dtype, tiles in itertools.product((torch.bfloat16, torch.float32),
                                           (MoETiles(16, 32, 128, 4, 4),
                                            MoETiles(128, 128, 64, 8, 3))):

@@ -168,20 +168,23 @@ for w in $what; do
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     quant)  # issue 36: the quantized GEMM's GPU tests, then Qwen3-8B's FP8 and AWQ shapes
-            # against bf16, the reference path and the Triton kernel (NANOSERVE_QUANT_KERNEL)
+            # against bf16, the reference path and the Triton kernel (NANOSERVE_NEW_KERNELS)
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_quant.log" | grep -E "passed|failed|^E  " | tail -20
       for m in Qwen3-8B Qwen3-8B-FP8 Qwen3-8B-AWQ; do
         for k in 0 1; do
-          NANOSERVE_QUANT_KERNEL=$k run python3 bench_offload.py --model $m --input-len 32768 \
+          NANOSERVE_NEW_KERNELS=$k run python3 bench_offload.py --model $m --input-len 32768 \
             --output-len 32 --resident-graph --out "$OUT/quant_${m}_$k" 2>&1 \
             | grep -v -E "(it|tok)/s\]" | tail -2
         done
       done ;;
     tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
       run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;
-    moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
+    moe)  # issue 18: the MoE layer's paths alone (with the new router kernel: the fused
+          # path's second row), then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
+      NANOSERVE_NEW_KERNELS=1 run python3 tools/bench_moe.py --batch 1,8,32 2>&1 \
+        | tee "$OUT/bench_moe_new.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \
         --batch-size 1,32 --resident-graph --offload-graph --out "$OUT/moe" 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tail -16 ;;

@@ -6,7 +6,8 @@ over the stacked weights, each tile of rows belonging to one expert:
   written once and the [pairs, 2I] one of the unfused path never exists;
 - down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
   token are then summed (one reduction, in fp32, rounded once).
-No host synchronization anywhere: the padded sizes are bounded by the pair count, so every
+The router's softmax, top-k and renormalization can run as one kernel too (`route`, behind
+new_kernels until measured). No host synchronization anywhere: the padded sizes are bounded by the pair count, so every
 launch has a static grid and is captured in decode graphs; tiles past the used ones exit.
 
 Each expert with tokens is read once per tile column, so at batch 1 a layer reads its k experts
@@ -163,4 +164,46 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         mid, down, out, flat_weights, sorted_pairs, tile_expert, hidden, inter, pairs,
         num_experts, k, mid.stride(0), down.stride(0), down.stride(1), out.stride(0),
         GATE_UP=False, **meta)
-    return out.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
+
+
+@triton.jit
+def _route_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+    """One token: the softmax over its router logits in fp32, its top k (the lowest id among
+    equal logits first), their probabilities renormalized to sum 1 when NORMALIZE."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    logits = tl.load(Logits + t * stride_l + offs, mask=offs < E,
+                     other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    total = tl.sum(tl.exp(logits - top), axis=0)
+    picked = tl.zeros([BLOCK_E], tl.int1)
+    chosen_sum = 0.0
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(tl.where(picked, float("-inf"), logits), axis=0)
+        picked = picked | (offs == best)
+        chosen_sum += tl.sum(tl.where(offs == best, tl.exp(logits - top), 0.0), axis=0)
+    # weights in the order chosen: a second pass over the k picks, as stored
+    chosen = tl.zeros([BLOCK_E], tl.int1)
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(tl.where(chosen, float("-inf"), logits), axis=0)
+        chosen = chosen | (offs == best)
+        prob = tl.sum(tl.where(offs == best, tl.exp(logits - top), 0.0), axis=0) / total
+        if NORMALIZE:
+            prob = prob / (chosen_sum / total)
+        tl.store(Weights + t * TOP_K + slot, prob.to(Weights.dtype.element_ty))
+        tl.store(Ids + t * TOP_K + slot, best.to(tl.int64))
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route's result: the router's logits by cuBLAS (the same as moe.route's), then their
+    softmax, top k and renormalization in one Triton kernel instead of four torch ones."""
+    logits = torch.nn.functional.linear(x, router)
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                        BLOCK_E=triton.next_power_of_2(e), NORMALIZE=norm_topk_prob)
+    return weights, ids

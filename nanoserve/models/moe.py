@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve import new_kernels
 from nanoserve.distributed.parallel_state import all_reduce
 from nanoserve.models.layers import silu_and_mul
 
@@ -65,8 +66,13 @@ class SparseMoE(nn.Module):
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
-        run = EXPERT_PATHS[choose_path(self.backend, x)]
+        path = choose_path(self.backend, x)
+        if path == "fused" and new_kernels.ENABLED:
+            from nanoserve.models import fused_moe
+            weights, ids = fused_moe.route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        else:
+            weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        run = EXPERT_PATHS[path]
         # under TP each expert's intermediate rows are split: the ranks' outputs are partial sums
         return all_reduce(run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj))
 

@@ -9,17 +9,13 @@ against it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve import new_kernels
 from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.formats import dequantize, fill_dummy, tensor_specs
-
-# the Triton GEMM (quant/triton_gemm.py) for CUDA products: off until measured on a GPU
-KERNEL = os.environ.get("NANOSERVE_QUANT_KERNEL", "0") == "1"
 
 
 class QuantizedLinear(nn.Module):
@@ -72,7 +68,7 @@ class QuantizedLinear(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if KERNEL and x.is_cuda and x.dim() == 2:
+        if new_kernels.ENABLED and x.is_cuda and x.dim() == 2:
             y = self.kernel_forward(x)
             if y is not None:
                 return y
