@@ -204,3 +204,18 @@ def test_the_shipped_quantized_shapes_count_their_quantized_bytes(name):
                         for n, k in shards)
     dense = 2 * (2 * vocab * h + layers * (2 * h + 2 * 128) + h)
     assert model_bytes(cfg, torch.bfloat16, 0, tp=1) == layers * per_layer + dense
+
+
+@pytest.mark.parametrize("method, options", [("fp8_block", {}), ("awq", {"group": 128}),
+                                             ("gptq", {"group": 64, "act_order": True})])
+def test_the_embedded_model_quantized_still_finds_the_needle(tmp_path, method, options):
+    """The embedded model (trained to retrieve) quantized to FP8 block-wise, AWQ and GPTQ
+    act-order answers the 2K-token needle at every depth, as in bf16."""
+    from test_needle import ALL_DEPTHS, CPU_LEN, cpu_llm, format_table, run_needle
+
+    from nanoserve.models.loader import EMBEDDED_MODEL
+    quantize_checkpoint(EMBEDDED_MODEL, tmp_path, method, **options)
+    llm = cpu_llm(model=str(tmp_path))
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    results = run_needle(llm, CPU_LEN, ALL_DEPTHS, seed=1)
+    assert all(r.passed for r in results), format_table(results)
