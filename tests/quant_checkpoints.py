@@ -34,17 +34,20 @@ def fp8_block(w: torch.Tensor, bn: int, bk: int) -> tuple[dict, torch.Tensor]:
     return {"weight": q, "weight_scale_inv": scale.float()}, q.float() * full
 
 
-def fp8_channel(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+def fp8_channel(w: torch.Tensor, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors' per-channel FP8: scales [n, 1] in the model's dtype."""
+    scale = (w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0).to(dtype).float()
     q = (w / scale).to(torch.float8_e4m3fn)
-    return {"weight": q, "weight_scale": scale.float(),
-            "input_scale": torch.ones(1)}, q.float() * scale  # input_scale: ignored
+    return {"weight": q, "weight_scale": scale.to(dtype)}, q.float() * scale
 
 
-def fp8_tensor(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    scale = w.abs().amax().clamp(min=1e-12) / 448.0
+def fp8_tensor(w: torch.Tensor, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors' per-tensor FP8: one scale, shape [1], in the model's dtype; a
+    static activation scale beside it (static schemes write one; the reader passes it by)."""
+    scale = (w.abs().amax().clamp(min=1e-12) / 448.0).to(dtype).float()
     q = (w / scale).to(torch.float8_e4m3fn)
-    return {"weight": q, "weight_scale": scale.float().reshape(())}, q.float() * scale
+    return {"weight": q, "weight_scale": scale.reshape(1).to(dtype),
+            "input_scale": torch.ones(1, dtype=dtype)}, q.float() * scale
 
 
 def _int4(wt: torch.Tensor, groups: torch.Tensor, num_groups: int, min_zero: int = 0
@@ -132,13 +135,13 @@ def quantize_checkpoint(src: Path, dst: Path, method: str, **options) -> dict[st
         if not (name.endswith(".weight") and module.split(".")[-1] in LINEARS):
             out[name] = w
             continue
-        w = w.float()
+        dtype, w = w.dtype, w.float()
         if method == "fp8_block":
             tensors, deq = fp8_block(w, *options.get("block", (128, 128)))
         elif method == "fp8_channel":
-            tensors, deq = fp8_channel(w)
+            tensors, deq = fp8_channel(w, dtype)
         elif method == "fp8_tensor":
-            tensors, deq = fp8_tensor(w)
+            tensors, deq = fp8_tensor(w, dtype)
         elif method == "awq":
             tensors, deq = awq(w, options["group"])
         else:

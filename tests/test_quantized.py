@@ -219,3 +219,44 @@ def test_the_embedded_model_quantized_still_finds_the_needle(tmp_path, method, o
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, QuantizedLinear)
     results = run_needle(llm, CPU_LEN, ALL_DEPTHS, seed=1)
     assert all(r.passed for r in results), format_table(results)
+
+
+@pytest.mark.parametrize("method", ["fp8_channel", "fp8_tensor"])
+def test_compressed_tensors_scales_in_the_models_dtype_and_shape_load(tmp_path, method):
+    """compressed-tensors writes its scales in the model's dtype, a per-tensor one with shape
+    [1], and a static input_scale beside it: from a bf16 model, the logits are the dequantized
+    twin's."""
+    src = tmp_path / "bf16"
+    make_hf_model("qwen3", src, seed=4).to(torch.bfloat16).save_pretrained(src)
+    dequantized = quantize_checkpoint(src, tmp_path / method, method)
+    from safetensors.torch import load_file
+    scale = load_file(tmp_path / method / "model.safetensors")[
+        "model.layers.0.self_attn.q_proj.weight_scale"]
+    assert scale.dtype == torch.bfloat16 and scale.shape == ((1,) if method == "fp8_tensor"
+                                                              else (64, 1))
+    twin = transformers.Qwen3ForCausalLM(transformers.AutoConfig.from_pretrained(src)).eval()
+    twin.load_state_dict({k: v.float() for k, v in dequantized.items()})
+    ids = random_prompts(1, [21], seed=7)[0]
+    with torch.no_grad():
+        ref = twin.float()(torch.tensor([ids])).logits[0].float()
+    ours = engine_prefill_logits(make_llm(tmp_path / method, page_size=8), ids)
+    assert (ours - ref).abs().max().item() < 2e-4
+
+
+def test_compressed_tensors_regex_ignore_keeps_its_layers_dense(source, tmp_path):
+    """`re:` entries of compressed-tensors' ignore list match as regular expressions."""
+    from safetensors.torch import load_file, save_file
+    dequantized = quantize_checkpoint(source, tmp_path, "fp8_channel")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", r"re:.*layers\.1\.mlp\.down_proj$"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(tmp_path / "model.safetensors")
+    for t in ("weight", "weight_scale"):
+        del tensors[f"model.layers.1.mlp.down_proj.{t}"]
+    tensors["model.layers.1.mlp.down_proj.weight"] = \
+        dequantized["model.layers.1.mlp.down_proj.weight"].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    layers = make_llm(tmp_path).engine.runner.model.model.layers
+    assert not isinstance(layers[1].mlp.down_proj, QuantizedLinear)
+    assert isinstance(layers[0].mlp.down_proj, QuantizedLinear)
+    assert isinstance(layers[1].mlp.gate_up_proj, QuantizedLinear)

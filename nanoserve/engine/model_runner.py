@@ -314,12 +314,12 @@ class ModelRunner:
             t = build_sampling_tensors(step.batch.seqs, self.mcfg.vocab_size, self.device,
                                        self.inputs.pin, positions=step.positions,
                                        mask_buffers=self.mask_buffers)
+            tokens = broadcast_from_rank0(sample_on_device(step.logits, t, key_dtype))
         except Exception as e:
-            if self.peers is not None:  # the workers wait in the tokens' broadcast
+            if self.peers is not None:  # the workers wait in the tokens' broadcast: out of step
                 raise TensorParallelFailure(f"a step's sampling failed on rank 0: "
                                             f"{type(e).__name__}: {e}") from e
             raise
-        tokens = broadcast_from_rank0(sample_on_device(step.logits, t, key_dtype))
         step.logits, step.host_tokens = None, tokens
         if tokens.is_cuda:
             step.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

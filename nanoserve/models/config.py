@@ -129,7 +129,9 @@ class ModelConfig:
 
 
 def _quantization(raw: dict, family: Family) -> QuantConfig | None:
-    quant = QuantConfig.from_dict(raw.get("quantization_config"))
+    # older compressed-tensors releases wrote compression_config
+    quant = QuantConfig.from_dict(raw.get("quantization_config") or
+                                  raw.get("compression_config"))
     if quant is not None and family.moe:
         raise UnsupportedQuantization(f"quantized mixture-of-experts checkpoints "
                                       f"({quant.method}) are not supported yet; their dense "

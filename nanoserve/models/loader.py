@@ -194,12 +194,16 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
-                if name.endswith(".input_scale"):  # static activation scales: activations
-                    continue  # run unquantized here (weight-only)
+                # static activation scales (activations run unquantized here) and a
+                # checkpoint's KV-cache scales (the engine keeps its own, --kv-cache-dtype)
+                if name.endswith((".input_scale", ".k_scale", ".v_scale")):
+                    continue
                 target = checkpoint_target(name)
                 if target.param not in params:
-                    if name.endswith(".bias") and not f.get_tensor(name).any():
-                        continue  # GPTQ checkpoints hold zero biases of bias-free layers
+                    # GPTQ checkpoints hold zero biases of bias-free layers, older
+                    # compressed-tensors ones zero points of symmetric FP8: nothing to hold
+                    if name.endswith((".bias", "_zero_point")) and not f.get_tensor(name).any():
+                        continue
                     raise KeyError(f"checkpoint tensor {name} has no place in the model")
                 owner = _owner(modules, target.param)
                 src = f.get_slice(name)  # reads only this rank's part from disk

@@ -76,9 +76,13 @@ def read_rank_part(src: Any, ndim: int, param: str, module: nn.Module,
 
 def copy_rank_part(dst: torch.Tensor, part: torch.Tensor, param: str) -> None:
     """Fills `dst` with `part`; the last rank's vocabulary rows past the vocabulary (padding)
-    are zeros."""
+    are zeros; a tensor of another shape but as many elements (a per-tensor scale stored as
+    [1] for a scalar) is reshaped."""
     if part.shape == dst.shape:
         dst.copy_(part)
+        return
+    if split_dim(param) is None and part.numel() == dst.numel():  # a scale stored as [1]
+        dst.copy_(part.reshape(dst.shape))
         return
     dim = split_dim(param)
     dst.zero_()

@@ -13,6 +13,7 @@ Supported, as model makers publish them:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SUPPORTED = ("fp8 (block-wise)", "compressed-tensors (fp8 weights)", "awq (4-bit, gemm)",
@@ -43,9 +44,20 @@ class QuantConfig:
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the checkpoint holds this linear module (a Hugging Face name, as
-        model.layers.0.self_attn.q_proj) quantized."""
-        return not any(module_name == s or module_name.endswith("." + s) or
-                       (s.endswith(".") and module_name.startswith(s)) for s in self.skip)
+        model.layers.0.self_attn.q_proj) quantized. `skip` entries match as their tools match
+        them: compressed-tensors' `re:` entries as regular expressions from the name's start,
+        its other entries as whole names or name ends, AWQ's and GPTQ's
+        modules_to_not_convert as parts of the name (transformers' and vLLM's rule)."""
+        for entry in self.skip:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module_name):
+                    return False
+            elif self.method.startswith("fp8_") and self.method != "fp8_block":
+                if module_name == entry or module_name.endswith("." + entry):
+                    return False
+            elif entry in module_name:
+                return False
+        return True
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> QuantConfig | None:
@@ -88,8 +100,11 @@ def _compressed_tensors(raw: dict) -> QuantConfig:
     fmt = raw.get("format")
     if fmt not in (None, "float-quantized", "naive-quantized"):
         raise _refuse(f"compressed-tensors format {fmt!r} is not supported")
-    ignore = tuple(s.removeprefix("re:") for s in raw.get("ignore") or ())
-    return QuantConfig("fp8_" + strategy, skip=ignore)
+    targets = (next(iter(groups.values())) or {}).get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise _refuse(f"compressed-tensors targets {targets} are not supported (every Linear, "
+                      f"less `ignore`, is)")
+    return QuantConfig("fp8_" + strategy, skip=tuple(raw.get("ignore") or ()))
 
 
 def _int4(method: str, raw: dict) -> QuantConfig:

@@ -121,6 +121,8 @@ def dequantize(q: QuantConfig, t: dict[str, torch.Tensor], n: int, k: int,
         return ((ints - zeros).float() * scales).t().to(dtype)
     ints = _unpack(t["qweight"], 0)  # [k, n]
     group = t["g_idx"].long()
+    # v1 stores zero - 1 in four bits: a true zero of 0 (stored -1, read 15) cannot be written
+    # and reads as 16 here, as in the kernels of other engines that add the one back
     zeros = _unpack(t["qzeros"], 1)[group] + (1 if q.zeros_less_one else 0)
     scales = t["scales"].float()[group]
     return ((ints - zeros).float() * scales).t().to(dtype)

@@ -87,13 +87,14 @@ class QuantizedLinear(nn.Module):
 
     def _kernel_args(self) -> dict | None:
         """The kernel's view of this layer's tensors, built once (per-output scale rows)."""
-        key = self.shard_view(next(iter(self.specs[0])), 0).data_ptr()
+        first = self.shard_view(next(iter(self.specs[0])), 0)
+        key, device = first.data_ptr(), first.device
         if getattr(self, "_args_key", None) == key:
             return self._args
         # built by the eager warm-up steps: a graph capture would record its copies
-        assert not torch.cuda.is_current_stream_capturing()
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ
-        q, device = self.quant, self.shard_view(next(iter(self.specs[0])), 0).device
+        q = self.quant
         args: dict | None
         if q.method.startswith("fp8"):
             rows, first = [], 0
