@@ -200,3 +200,44 @@ def test_tp2_prompt_logprobs_equal_tp1(qwen3_dir):
             assert got.token_id == exp.token_id and [i for i, _ in got.top] == \
                 [i for i, _ in exp.top]
             assert abs(got.logprob - exp.logprob) < 1e-4
+
+
+def test_a_requests_failing_grammar_mask_at_tp2_fails_that_request_alone(monkeypatch):
+    """A constrained step's masks are built on rank 0 while the workers wait in the tokens'
+    broadcast: when one request's mask fails there, the workers take placeholders, the step is
+    dropped and rerun one sequence at a time, so that request fails, the others finish with
+    TP=1's tokens and the engine keeps serving."""
+    from nanoserve.engine import sampler
+
+    spec = StructuredOutputs(json_object=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    prompts = ["as json:", "more json:", "free text"]
+    ref = make_llm(None).generate(prompts, params)
+    llm = make_llm(None, tensor_parallel_size=2)
+    engine = llm.engine
+    masks = sampler.allowed_token_masks
+
+    def failing(grammars, vocab, buffers=None):
+        if any(getattr(g, "poisoned", False) for g in grammars):
+            raise RuntimeError("mask failed")
+        return masks(grammars, vocab, buffers)
+
+    monkeypatch.setattr(sampler, "allowed_token_masks", failing)
+    seqs = [s for p, q in zip(prompts, params, strict=True) for s in engine.add_request(p, q)]
+    for _ in range(3):  # past the prefill: decode steps launch ahead
+        engine.step()
+    seqs[1].grammar.poisoned = True
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs[1].finish_reason == "error" and "mask failed" in seqs[1].error
+    for seq, want in zip((seqs[0], seqs[2]), (ref[0], ref[2]), strict=True):
+        assert seq.finish_reason != "error"
+        assert seq.output_token_ids == want.outputs[0].token_ids
+    again = llm.generate(prompts[2:], params[2:])  # still serving, the workers in step
+    assert again[0].outputs[0].token_ids == ref[2].outputs[0].token_ids
+    procs = engine.workers.procs
+    del llm, engine, seqs, again
+    gc.collect()
+    assert gone(procs)

@@ -314,6 +314,15 @@ class ModelRunner:
             t = build_sampling_tensors(step.batch.seqs, self.mcfg.vocab_size, self.device,
                                        self.inputs.pin, positions=step.positions,
                                        mask_buffers=self.mask_buffers)
+        except Exception:
+            # the host's work for the step's requests (a grammar's mask) failed: the workers,
+            # waiting in the tokens' broadcast, take placeholders and the step is dropped (the
+            # engine reruns its sequences), so the ranks stay in step
+            if self.peers is not None:
+                broadcast_from_rank0(torch.zeros(step.logits.shape[0], dtype=torch.int64,
+                                                 device=self.device))
+            raise
+        try:
             tokens = broadcast_from_rank0(sample_on_device(step.logits, t, key_dtype))
         except Exception as e:
             if self.peers is not None:  # the workers wait in the tokens' broadcast: out of step
