@@ -177,39 +177,37 @@ def test_the_answer_starts_where_the_rendered_prompt_left_the_thinking():
         ("Hmm", "", [])
 
 
-def test_a_malformed_call_stays_text():
-    text = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>'
+def whole_and_streamed(text: str):
+    """A server scripted to write `text`, asked with tools: its whole answer's choice, checked
+    to be that text as content, and its streamed answer's chunks."""
     srv, n = scripted_server(text)
     try:
         kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=n + 4, temperature=0)
         choice = client_of(srv).chat.completions.create(**kw).choices[0]
         assert choice.message.tool_calls is None and choice.finish_reason == "stop"
         assert choice.message.content == text
-        chunks = list(client_of(srv).chat.completions.create(stream=True, **kw))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        return choice, list(client_of(srv).chat.completions.create(stream=True, **kw))
     finally:
         srv.stop()
+
+
+def test_a_malformed_call_stays_text():
+    text = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>'
+    _, chunks = whole_and_streamed(text)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
 def test_a_call_that_breaks_after_it_began_to_stream_stays_a_streamed_call():
     """Whole, it is text; streamed, its name and first pieces went out before it broke, and a
     stream cannot take them back: it stays a call, none of it content."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
-    srv, n = scripted_server(text)
-    try:
-        kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=n + 4, temperature=0)
-        choice = client_of(srv).chat.completions.create(**kw).choices[0]
-        assert choice.message.tool_calls is None and choice.finish_reason == "stop"
-        assert choice.message.content == text
-        chunks = list(client_of(srv).chat.completions.create(stream=True, **kw))
-        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-        assert deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
-        assert "".join(d.function.arguments for d in deltas) == '{"city": }'
-        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    finally:
-        srv.stop()
+    _, chunks = whole_and_streamed(text)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments for d in deltas) == '{"city": }'
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_the_answer_reader_streams_openai_call_deltas_name_first_then_pieces():
