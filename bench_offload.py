@@ -544,6 +544,16 @@ def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> boo
     return (weights + kv) / tp < 0.9 * free
 
 
+def _print_ratios(rows: list[dict], key: str, title: str, line) -> None:
+    """The rows that carry ratio `key` (against another run of the same configuration), under
+    their title, a line each."""
+    picked = [r for r in rows if key in r]
+    if picked:
+        print(title)
+        for r in picked:
+            print(line(r))
+
+
 def print_table(rows: list[dict], ceil: dict) -> None:
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
           f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, host "
@@ -601,28 +611,22 @@ def print_table(rows: list[dict], ceil: dict) -> None:
                       f"({r['cpu_kernel_GBps_median']:.1f} GB/s), host between kernels "
                       f"{r['cpu_gap_us_median']:.0f} us; between steps "
                       f"{r['cpu_step_gap_ms_median']:.2f} ms")
-    tp_rows = [r for r in rows if "tpot_vs_tp1" in r]
-    if tp_rows:
-        print("\ntensor parallel / one GPU, same mode, context and batch (lower is better):")
-        for r in tp_rows:
-            print(f"  {r['mode']:<15} ctx {r['input_len']:>6} bs {r['batch']:>2} TP={r['tp']}: "
-                  f"TPOT {r['tpot_vs_tp1']:.3f}x, TTFT {r['ttft_vs_tp1']:.3f}x")
-    sampled = [r for r in rows if "tpot_vs_greedy" in r]
-    if sampled:
-        print("\nsampled / greedy, same mode, context and batch (TPOT: lower is better; output "
-              "tok/s: higher is better):")
-        for r in sampled:
-            print(f"  {r['mode']:<15} {sampling_label(r):<11} ctx {r['input_len']:>6} bs "
-                  f"{r['batch']:>2}: TPOT {r['tpot_vs_greedy']:.3f}x, output tok/s "
-                  f"{r['output_tok_s_vs_greedy']:.3f}x")
-    constrained = [r for r in rows if "output_tok_s_vs_plain" in r]
-    if constrained:
-        print("\nhalf the requests under a JSON schema / none, same mode, context and batch "
-              "(output tok/s: higher is better):")
-        for r in constrained:
-            print(f"  {r['mode']:<15} {r['sampling']:<16} ctx {r['input_len']:>6} bs "
-                  f"{r['batch']:>2}: output tok/s {r['output_tok_s_vs_plain']:.3f}x, TPOT "
-                  f"{r['tpot_vs_plain']:.3f}x")
+    _print_ratios(rows, "tpot_vs_tp1", "\ntensor parallel / one GPU, same mode, context and "
+                  "batch (lower is better):", lambda r: (
+                      f"  {r['mode']:<15} ctx {r['input_len']:>6} bs {r['batch']:>2} "
+                      f"TP={r['tp']}: TPOT {r['tpot_vs_tp1']:.3f}x, TTFT "
+                      f"{r['ttft_vs_tp1']:.3f}x"))
+    _print_ratios(rows, "tpot_vs_greedy", "\nsampled / greedy, same mode, context and batch "
+                  "(TPOT: lower is better; output tok/s: higher is better):", lambda r: (
+                      f"  {r['mode']:<15} {sampling_label(r):<11} ctx {r['input_len']:>6} bs "
+                      f"{r['batch']:>2}: TPOT {r['tpot_vs_greedy']:.3f}x, output tok/s "
+                      f"{r['output_tok_s_vs_greedy']:.3f}x"))
+    _print_ratios(rows, "output_tok_s_vs_plain", "\nhalf the requests under a JSON schema / "
+                  "none, same mode, context and batch (output tok/s: higher is better):",
+                  lambda r: (
+                      f"  {r['mode']:<15} {r['sampling']:<16} ctx {r['input_len']:>6} bs "
+                      f"{r['batch']:>2}: output tok/s {r['output_tok_s_vs_plain']:.3f}x, TPOT "
+                      f"{r['tpot_vs_plain']:.3f}x"))
     vs = [r for r in rows if any(k.startswith("tpot_vs_hf") for k in r)]
     if vs:
         print("\nnanoserve / transformers (lower is better; resident-graph vs default cache, "
