@@ -110,22 +110,28 @@ def cases():
 
 
 def quant_cases():
-    """The quantized-weight GEMM in each format, bf16 rows, a 4096 x 4096 weight."""
-    from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ, quant_gemm
+    """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with x quantized in the kernel
+    (16 rows), before it (128 rows) and float32 x; the 4-bit formats' GEMV (one row) and GEMM
+    (16 rows; GPTQ with act-order too)."""
+    from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ, GPTQ_ACT_ORDER, quant_gemm
 
     n = k = 4096
-    x = torch.zeros(16, k, dtype=torch.bfloat16)
-    scales = torch.ones(n // 128, k // 128)
-    yield "quantized GEMM, FP8 block-wise", lambda: quant_gemm(
-        x, FP8, torch.zeros(n, k, dtype=torch.float8_e4m3fn), scales, n,
-        scale_row=torch.zeros(n, dtype=torch.int32), scale_cols=128)
+    fp8 = dict(fmt=FP8, w=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+               scales=torch.ones(n // 128, k // 128), scale_row=torch.zeros(n, dtype=torch.int32),
+               scale_cols=128, n=n)
+    for rows, dtype in ((16, torch.bfloat16), (128, torch.bfloat16), (16, torch.float32)):
+        yield f"quantized GEMM, FP8 block-wise, {rows} rows {dtype}", lambda r=rows, d=dtype: \
+            quant_gemm(torch.zeros(r, k, dtype=d), **fp8)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
-                scales=torch.ones(k // 128, n, dtype=torch.float16))
-    yield "quantized GEMM, AWQ", lambda: quant_gemm(
-        x, AWQ, torch.zeros(k, n // 8, dtype=torch.int32), n=n, **int4)
-    yield "quantized GEMM, GPTQ", lambda: quant_gemm(
-        x, GPTQ, torch.zeros(k // 8, n, dtype=torch.int32), n=n,
-        g_idx=torch.zeros(k, dtype=torch.int32), zero_offset=1, **int4)
+                scales=torch.ones(k // 128, n, dtype=torch.float16), n=n)
+    formats = {"AWQ": dict(fmt=AWQ, w=torch.zeros(k, n // 8, dtype=torch.int32)),
+               "GPTQ": dict(fmt=GPTQ, w=torch.zeros(k // 8, n, dtype=torch.int32),
+                            zero_offset=1),
+               "GPTQ act-order": dict(fmt=GPTQ_ACT_ORDER, g_idx=torch.zeros(k, dtype=torch.int32),
+                                      w=torch.zeros(k // 8, n, dtype=torch.int32))}
+    for (name, args), rows in itertools.product(formats.items(), (1, 16)):
+        yield f"quantized GEMM, {name}, {rows} rows", lambda a=args, r=rows: quant_gemm(
+            torch.zeros(r, k, dtype=torch.bfloat16), **a, **int4)
 
 
 def moe_cases():

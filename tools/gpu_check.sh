@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -167,16 +167,19 @@ for w in $what; do
       run python3 tools/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/bench_linear.log" ;;
     models) run python3 -m pytest -q -m gpu tests/test_gpu_models.py -p no:cacheprovider 2>&1 \
               | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
-    quant)  # issue 36: the quantized GEMM's GPU tests, then Qwen3-8B's FP8 and AWQ shapes
-            # against bf16, the reference path and the Triton kernel (NANOSERVE_NEW_KERNELS)
+    quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
+            # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_quant.log" | grep -E "passed|failed|^E  " | tail -20
+      run python3 tools/bench_quant.py ${QUANT_ARGS:---rows 1,16,64,4096} 2>&1 | tee "$OUT/bench_quant.log" ;;
+    quantmodels)  # issue 36's targets: Qwen3-8B bf16, FP8 and AWQ at 32K, batch 1; FP8 64 x 512
       for m in Qwen3-8B Qwen3-8B-FP8 Qwen3-8B-AWQ; do
-        for k in 0 1; do
-          NANOSERVE_NEW_KERNELS=$k run python3 bench_offload.py --model $m --input-len 32768 \
-            --output-len 32 --resident-graph --out "$OUT/quant_${m}_$k" 2>&1 \
-            | grep -v -E "(it|tok)/s\]" | tail -2
-        done
+        run python3 bench_offload.py --model $m --input-len 32768 --output-len 32 \
+          --resident-graph --out "$OUT/quant_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
+      done
+      for m in Qwen3-8B Qwen3-8B-FP8; do
+        run python3 bench_offload.py --model $m --input-len 512 --batch-size 64 --output-len 64 \
+          --resident-graph --out "$OUT/quant64_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
       done ;;
     tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
       run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;

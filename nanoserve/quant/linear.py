@@ -68,21 +68,24 @@ class QuantizedLinear(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if new_kernels.ENABLED and x.is_cuda and x.dim() == 2:
-            y = self.kernel_forward(x)
+        if new_kernels.ENABLED and x.is_cuda:
+            y = self.kernel_forward(x.reshape(-1, x.shape[-1]))
             if y is not None:
-                return y
+                return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The product through the Triton kernel that dequantizes inside the GEMM
         (quant/triton_gemm.py), for rows x [M, in_features]; None where the kernel does not take
-        this layer (a fused GPTQ layer whose shards' g_idx differ)."""
+        them (quant/triton_gemm.supports) or this layer (a fused GPTQ layer whose shards' g_idx
+        differ)."""
         from nanoserve.quant import triton_gemm
         args = self._kernel_args()
-        if args is None:
+        if args is None or not triton_gemm.supports(
+                x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
+                args.get("group", 128)):
             return None
-        y = triton_gemm.quant_gemm(x, n=self.out_features, **args)
+        y = triton_gemm.quant_gemm(x.contiguous(), n=self.out_features, **args)
         return y if self.bias is None else y + self.bias
 
     def _kernel_args(self) -> dict | None:
@@ -93,7 +96,7 @@ class QuantizedLinear(nn.Module):
             return self._args
         # built by the eager warm-up steps: a graph capture would record its copies
         assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ
+        from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ, GPTQ_ACT_ORDER
         q = self.quant
         args: dict | None
         if q.method.startswith("fp8"):
@@ -116,8 +119,12 @@ class QuantizedLinear(nn.Module):
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)
         elif all(torch.equal(self.g_idx[0], g) for g in self.g_idx[1:]):
-            args = dict(fmt=GPTQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
-                        g_idx=self.g_idx[0].contiguous(), zero_offset=int(q.zeros_less_one))
+            g_idx = self.g_idx[0].contiguous()
+            in_order = torch.equal(g_idx.cpu(), torch.arange(self.in_features,
+                                                             dtype=g_idx.dtype) // q.group_size)
+            args = dict(fmt=GPTQ if in_order else GPTQ_ACT_ORDER, w=self.qweight,
+                        zeros=self.qzeros, scales=self.scales, g_idx=g_idx,
+                        group=q.group_size, zero_offset=int(q.zeros_less_one))
         else:
             args = None
         self._args_key, self._args = key, args

@@ -1,98 +1,324 @@
-"""y = x W^T with W held quantized, dequantized inside the GEMM tile by tile (Triton): the weight's
-bytes are read once, in their quantized size, and never written back dequantized. One kernel for
-every format (quant/formats.py), chosen by FORMAT:
+"""y = x W^T with W held quantized (quant/formats.py), in Triton: the weight's bytes are read in
+their quantized size, once per row tile, and never written back dequantized.
 
-- FP8 (block-wise, per channel, per tensor): an e4m3 tile times each element's scale, from a
-  grid of scale rows by blocks of `scale_cols` inputs; `scale_row` names each output's row of
-  it (block-wise: its shard's block row, per channel: its own, per tensor: its shard's);
-- AWQ: a word of eight outputs, read once per output column (the eight reads of a word hit the
-  same cache line), shifted by the column's nibble (order 0 2 4 6 1 3 5 7);
-- GPTQ: a word of eight inputs, shifted by each input's nibble; zero points and scales of each
-  input's group (g_idx).
+- FP8 (block-wise, per channel, per tensor), `_fp8_gemm_kernel`: as the checkpoints declare
+  (`activation_scheme: dynamic`) and as vLLM and SGLang run them, x is quantized too, to e4m3
+  per row and K step of 128 (its scale: the group's largest magnitude over 448), and the
+  product runs on FP8 tensor cores: acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a
+  step never crossing a weight scale block; `scale_row` names each output's row of the weight
+  scales' grid (block-wise: its shard's block row, per channel: its own, per tensor: its
+  shard's). float32 x keeps its precision: w widened, no activation quantization
+  (`fp8_activations_reference` is the FP8 path's torch twin).
+- AWQ (a word holds eight outputs, nibble order 0 2 4 6 1 3 5 7) and GPTQ (a word holds eight
+  inputs), `_int4_gemm_kernel`: acc += (dot(x, q) - sum_k(x) z[n]) * s[n] per step of one
+  group (4-bit integers are exact in bf16 and fp16); GPTQ with act-order (g_idx not k //
+  group): each input's own group, dequantized element by element before the dot (slower).
+  One row (batch-1 decode), `_int4_gemv_kernel`: no tensor cores, the nibbles widened through
+  float32's bit pattern (2^23 + q) instead of integer conversions, which run at a quarter of
+  the FMA rate and would bound a 4-bit GEMV at several times its memory floor.
 
-Status: equal to the reference dequantization in Triton's interpreter on the CPU for every
-format; not yet run on a GPU (tests/test_gpu_quant.py), so QuantizedLinear's forward still
-multiplies through the reference path and only `kernel_forward` takes this kernel.
+Decode's few rows run as models/triton_linear.py's skinny matmul does (a program owns BLOCK_N
+outputs over all of K, the weight's tiles in flight through `num_stages` copies), prefill's
+many as a tiled GEMM.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-FP8, AWQ, GPTQ = 0, 1, 2
+FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
+SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
+FP8_GROUP = 128  # inputs an activation scale covers (the checkpoints' weight blocks' width)
+
+
+class QuantTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
+    """Tiles by rows and format: one row of a 4-bit weight (the GEMV: block_m unused), decode's
+    few rows (a row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's) and
+    prefill's many. block_k is the largest the format allows up to this."""
+    if m == 1 and fmt in (AWQ, GPTQ):
+        return QuantTiles(1, 64, 128, 4, 3)
+    if m <= SKINNY_ROWS:
+        return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
+    return QuantTiles(128, 128, 128 if fmt == FP8 else 64, 8, 3)
 
 
 @triton.jit
-def _quant_gemm_kernel(X, W, Scales, ScaleRow, Zeros, GIdx, Y, M, N, K, stride_xm, stride_ym,
-                       stride_w, stride_s, stride_z, scale_cols, group, zero_offset,
-                       FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stride_xs,
+                     stride_ym, stride_w, stride_s, scale_cols, X_MODE: tl.constexpr,
+                     SCALE_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row.
+    # X_MODE 0: x float32, w widened (no activation quantization); 1: x quantized here, per
+    # row and step; 2: x already e4m3 (quantize_activations), XScale [M, K / BLOCK_K]
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
+    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < K
-        x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        ok = k_ok[:, None] & n_ok[None, :]
-        if FORMAT == 0:  # W e4m3 [N, K]
-            w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_w + ks[:, None], mask=ok,
-                        other=0.0).to(tl.float32)
-            row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0)
-            s = tl.load(Scales + row[None, :] * stride_s + ks[:, None] // scale_cols, mask=ok,
-                        other=0.0)
-            w = w * s
-        elif FORMAT == 1:  # W int32 [K, N / 8], outputs packed
-            word = tl.load(W + ks[:, None].to(tl.int64) * stride_w + offs_n[None, :] // 8,
-                           mask=ok, other=0)
-            col = offs_n % 8
-            shift = (col % 2) * 16 + (col // 2) * 4
-            g = ks[:, None] // group
-            zword = tl.load(Zeros + g * stride_z + offs_n[None, :] // 8, mask=ok, other=0)
-            q = (word >> shift[None, :]) & 0xF
-            z = (zword >> shift[None, :]) & 0xF
-            s = tl.load(Scales + g * stride_s + offs_n[None, :], mask=ok, other=0.0)
-            w = (q - z).to(tl.float32) * s.to(tl.float32)
-        else:  # W int32 [K / 8, N], inputs packed
-            word = tl.load(W + (ks[:, None] // 8).to(tl.int64) * stride_w + offs_n[None, :],
-                           mask=ok, other=0)
-            q = (word >> ((ks[:, None] % 8) * 4)) & 0xF
-            g = tl.load(GIdx + ks, mask=k_ok, other=0)[:, None]
-            zword = tl.load(Zeros + g * stride_z + offs_n[None, :] // 8, mask=ok, other=0)
-            z = ((zword >> ((offs_n[None, :] % 8) * 4)) & 0xF) + zero_offset
-            s = tl.load(Scales + g * stride_s + offs_n[None, :], mask=ok, other=0.0)
-            w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc = tl.dot(x, w.to(x.dtype), acc)
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
+        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
+        if X_MODE == 0:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+        elif X_MODE == 1:
+            x = x.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+            xq = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(w.dtype)
+            part = tl.dot(xq, tl.trans(w)) * x_scale[:, None]
+        else:
+            x_scale = tl.load(XScale + offs_m * stride_xs + k0 // BLOCK_K, mask=m_ok, other=0.0)
+            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
+        if SCALE_ONCE:
+            acc += part
+        else:
+            acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)[None, :]
+        x_at += BLOCK_K
+        w_at += BLOCK_K
+    if SCALE_ONCE:
+        acc *= tl.load(Scales + row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _quantize_rows_kernel(X, XQ, XScale, K, stride_xm, stride_qm, stride_sm,
+                          GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    # one row of x: e4m3 values and a scale per GROUP inputs (GROUPS: a power of two >= K /
+    # GROUP)
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS)
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = offs < K
+    x = tl.load(X + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(XQ + m * stride_qm + offs, xq.to(XQ.dtype.element_ty), mask=ok)
+    tl.store(XScale + m * stride_sm + g, scale, mask=g * GROUP < K)
+
+
+@triton.jit
+def _int4_gemm_kernel(X, W, Scales, Zeros, GIdx, Y, M, N, K, stride_xm, stride_ym, stride_w,
+                      stride_s, stride_z, group, zero_offset, FORMAT: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FORMAT == 1:  # W int32 [K, N / 8]: a row of words holds the outputs
+        words = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        w_at = W + offs_k[:, None].to(tl.int64) * stride_w + words[None, :]
+        j = tl.arange(0, 8)
+        shifts = (j % 2) * 16 + (j // 2) * 4
+    else:  # W int32 [K / 8, N]: a column of words holds the inputs
+        w_at = W + (tl.arange(0, BLOCK_K // 8)[:, None]).to(tl.int64) * stride_w + offs_n[None, :]
+        shifts = tl.arange(0, 8) * 4
+        z_shift = (offs_n % 8) * 4
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0; a step within a group (not act-order)
+        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
+        if FORMAT == 1:
+            word = tl.load(w_at, mask=(words < N // 8)[None, :], other=0)
+            q = tl.reshape((word[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_K, BLOCK_N])
+            w_at += BLOCK_K * stride_w
+        else:
+            word = tl.load(w_at, mask=n_ok[None, :], other=0)
+            q = tl.reshape((word[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
+            w_at += (BLOCK_K // 8) * stride_w
+        if FORMAT == 3:  # act-order: each input its own group
+            g = tl.load(GIdx + k0 + offs_k)[:, None]
+            zw = tl.load(Zeros + g * stride_z + offs_n[None, :] // 8, mask=n_ok[None, :], other=0)
+            z = ((zw >> z_shift[None, :]) & 0xF) + zero_offset
+            s = tl.load(Scales + g * stride_s + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+            w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        else:
+            g = k0 // group
+            if FORMAT == 1:
+                zw = tl.load(Zeros + g * stride_z + words, mask=words < N // 8, other=0)
+                z = tl.reshape((zw[:, None] >> shifts[None, :]) & 0xF, [BLOCK_N])
+            else:
+                zw = tl.load(Zeros + g * stride_z + offs_n // 8, mask=n_ok, other=0)
+                z = ((zw >> z_shift) & 0xF) + zero_offset
+            s = tl.load(Scales + g * stride_s + offs_n, mask=n_ok, other=0.0)
+            part = tl.dot(x, q.to(x.dtype), input_precision=PRECISION)
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (part - x_sum[:, None] * z.to(tl.float32)[None, :]) * \
+                s.to(tl.float32)[None, :]
+        x_at += BLOCK_K
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+             acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(X, W, Scales, Zeros, Y, N, K, stride_w, stride_s, stride_z, group,
+                      zero_offset, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    # one row; a step is one group (BLOCK_K == group). Outputs as [words, 8] (AWQ: a word's
+    # eight outputs) or [8, columns] ... both kept as [BLOCK_N // 8, 8] / [BLOCK_N]
+    pid = tl.program_id(0)
+    j = tl.arange(0, 8)
+    MAGIC: tl.constexpr = 0x4B000000  # float32 2^23: its bit pattern plus q is 2^23 + q
+    if FORMAT == 1:  # W int32 [K, N / 8]; out[w, c] is output 8 w + c, at nibble shifts[c]
+        words = pid * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        w_ok = words < N // 8
+        shifts = (j % 2) * 16 + (j // 2) * 4
+        cols = words[:, None] * 8 + j[None, :]
+        c_ok = w_ok[:, None]
+        offs_k = tl.arange(0, BLOCK_K)
+        w_at = W + offs_k[:, None].to(tl.int64) * stride_w + words[None, :]
+        acc = tl.zeros([BLOCK_N // 8, 8], tl.float32)
+    else:  # W int32 [K / 8, N]: word row r holds inputs 8 r .. 8 r + 7
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = tl.arange(0, BLOCK_K // 8)
+        w_at = W + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :]
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // group
+        if FORMAT == 1:
+            x = tl.load(X + k0 + offs_k).to(tl.float32)
+            word = tl.load(w_at, mask=w_ok[None, :], other=0)
+            q = (((word[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC).to(
+                tl.float32, bitcast=True) - 8388608.0
+            dot = tl.sum(x[:, None, None] * q, axis=0)
+            zw = tl.load(Zeros + g * stride_z + words, mask=w_ok, other=0)
+            z = ((zw[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)
+            s = tl.load(Scales + g * stride_s + cols, mask=c_ok, other=0.0).to(tl.float32)
+            acc += (dot - tl.sum(x, axis=0) * z) * s
+            w_at += BLOCK_K * stride_w
+        else:
+            x = tl.load(X + k0 + rows[:, None] * 8 + j[None, :]).to(tl.float32)
+            word = tl.load(w_at, mask=n_ok[None, :], other=0)
+            q = (((word[:, None, :] >> (j * 4)[None, :, None]) & 0xF) | MAGIC).to(
+                tl.float32, bitcast=True) - 8388608.0
+            dot = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
+            zw = tl.load(Zeros + g * stride_z + offs_n // 8, mask=n_ok, other=0)
+            z = (((zw >> (offs_n % 8) * 4) & 0xF) + zero_offset).to(tl.float32)
+            s = tl.load(Scales + g * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += (dot - tl.sum(tl.sum(x, axis=0), axis=0) * z) * s
+            w_at += (BLOCK_K // 8) * stride_w
+    if FORMAT == 1:
+        tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=c_ok)
+    else:
+        tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def step_limit(fmt: int, scale_cols: int, group: int) -> int:
+    """The longest K step a format allows: within one scale block and one activation group
+    (FP8), one group (4-bit)."""
+    if fmt == FP8:
+        return min(scale_cols, FP8_GROUP)
+    return 1 << 30 if fmt == GPTQ_ACT_ORDER else group
+
+
+def block_k_for(k: int, limit: int, want: int) -> int | None:
+    """The K step: the largest power of two up to `want` dividing both k and the format's
+    limit (at least 16, a dot's least); None where none does."""
+    step = want
+    while step >= 16:
+        if k % step == 0 and (limit % step == 0 or limit >= 1 << 30):
+            return step
+        step //= 2
+    return None
+
+
+def supports(x: torch.Tensor, fmt: int, k: int, scale_cols: int, group: int) -> bool:
+    """Whether the kernels take rows x against a weight of k inputs in this format."""
+    return x.is_cuda and x.dim() == 2 and x.shape[1] == k and \
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+        block_k_for(k, step_limit(fmt, scale_cols, group), 16) is not None
+
+
+def activation_group(k: int, scale_cols: int) -> int | None:
+    """FP8's K step, and the inputs an activation scale covers: FP8_GROUP, or the largest
+    power of two below it dividing k and the weight's scale blocks."""
+    return block_k_for(k, step_limit(FP8, scale_cols, 0), FP8_GROUP)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group]): each row's groups of `group`
+    inputs over their largest magnitude / 448 (fp8_activations_reference is its torch twin)."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
+    groups = triton.next_power_of_2(k // group)
+    _quantize_rows_kernel[(m,)](x, xq, scales, k, x.stride(0), xq.stride(0), scales.stride(0),
+                                GROUP=group, GROUPS=groups, num_warps=8 if groups > 32 else 4)
+    return xq, scales
+
+
+def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8 kernels see it: each row's groups of `group` inputs quantized to e4m3
+    (scale: largest magnitude / 448) and scaled back, in float32."""
+    m, k = x.shape
+    g = x.float().view(m, k // group, group)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * scale).view(m, k)
 
 
 def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor, n: int,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-               group: int = 128, zero_offset: int = 0, block: tuple[int, int, int] = (16, 64, 64),
-               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               group: int = 128, zero_offset: int = 0,
+               tiles: QuantTiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
-    dtype. FP8: w e4m3 [n, K]; scales a float32 grid [rows, ceil(K / scale_cols)], scale_row
-    int32 [n] each output's row of it. AWQ: w [K, n / 8], zeros [K / group, n / 8], scales
-    [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8] (each plus zero_offset), scales
-    [groups, n], g_idx [K]."""
+    dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
+    each output's row of it; bf16 / fp16 x quantized per FP8_GROUP inputs. AWQ: w [K, n / 8],
+    zeros [K / group, n / 8], scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8]
+    (each plus zero_offset), scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's
+    group. See `supports`."""
+    x = x.contiguous()
     m, k = x.shape
+    tiles = tiles or tiles_for(m, n, fmt)
+    block_k = activation_group(k, scale_cols) if fmt == FP8 else \
+        block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
+    assert block_k is not None, (k, fmt, scale_cols, group)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk = block
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if fmt == FP8:
+        scale_row = scales if scale_row is None else scale_row
+        x_mode = 0 if x.dtype == torch.float32 else 1 if m <= SKINNY_ROWS else 2
+        x_scale = scales
+        if x_mode == 2:
+            x, x_scale = quantize_activations(x, block_k)
+        grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+        _fp8_gemm_kernel[grid](
+            x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(0),
+            y.stride(0), w.stride(0), scales.stride(0), scale_cols, X_MODE=x_mode,
+            SCALE_ONCE=scale_cols >= k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=block_k, **launch)
+        return y
     zeros = scales if zeros is None else zeros
+    if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
+        _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+            x, w, scales, zeros, y, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
+            group, zero_offset, FORMAT=fmt, BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
+        return y
     g_idx = scales if g_idx is None else g_idx
-    scale_row = scales if scale_row is None else scale_row
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _quant_gemm_kernel[grid](
-        x, w, scales, scale_row, zeros, g_idx, y, m, n, k, x.stride(0), y.stride(0),
-        w.stride(0), scales.stride(0), zeros.stride(0), scale_cols, group, zero_offset,
-        FORMAT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps,
-        num_stages=num_stages)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    _int4_gemm_kernel[grid](
+        x, w, scales, zeros, g_idx, y, m, n, k, x.stride(0), y.stride(0), w.stride(0),
+        scales.stride(0), zeros.stride(0), group, zero_offset, FORMAT=fmt,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
     return y

@@ -1,0 +1,131 @@
+"""The quantized GEMM (nanoserve/quant/triton_gemm.py) per weight shape, format and row count,
+against the device-memory floor of its bytes (decode) and against cuBLAS on the same product in
+bf16 (prefill), with tile candidates; in CUDA graphs, cycling over enough copies of the weight
+that none stays in L2. Usage (GPU):
+    python tools/bench_quant.py [--rows 1,16,64,4096] [--formats fp8,awq,gptq] [--tune]
+Shapes are Qwen3-8B's: qkv, o, gate_up, down. The device-memory rate is a copy's, measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.quant import triton_gemm as tg
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288)}
+SPAN = 512 << 20  # bytes of weight copies a timing cycles over (several times L2)
+
+
+def graph_time_us(calls: list, reps: int = 5) -> float:
+    """Median over reps of one replay of a graph of `calls`, per call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def copy_rate_gbs() -> float:
+    """The device's memory rate: a 1 GiB copy's bytes read and written over its time."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / graph_time_us([lambda: b.copy_(a)] * 4) / 1e3
+
+
+def weights(fmt: str, n: int, k: int) -> tuple[dict, int]:
+    """One weight's kernel arguments in a format (random values), and its bytes."""
+    dev = "cuda"
+    if fmt == "fp8":
+        w = (torch.randn(n, k, device=dev) * 0.1).to(torch.float8_e4m3fn)
+        scales = torch.rand(n // 128, k // 128, device=dev) + 0.5
+        rows = (torch.arange(n, device=dev) // 128).to(torch.int32)
+        args = dict(fmt=tg.FP8, w=w, scales=scales, scale_row=rows, scale_cols=128)
+        return args, w.numel() + scales.numel() * 4
+    groups = k // 128
+    scales = torch.rand(groups, n, device=dev, dtype=torch.float16) * 0.01
+    zeros = torch.randint(-2**31, 2**31 - 1, (groups, n // 8), device=dev, dtype=torch.int32)
+    if fmt == "awq":
+        w = torch.randint(-2**31, 2**31 - 1, (k, n // 8), device=dev, dtype=torch.int32)
+        args = dict(fmt=tg.AWQ, w=w, scales=scales, zeros=zeros, group=128)
+    else:
+        w = torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32)
+        args = dict(fmt=tg.GPTQ, w=w, scales=scales, zeros=zeros, group=128, zero_offset=1)
+    return args, w.numel() * 4 + scales.numel() * 2 + zeros.numel() * 4
+
+
+def candidates(rows: int, fmt: int) -> list[tg.QuantTiles]:
+    """Tiles to try (FP8's K step is fixed: it is its activation group)."""
+    base = tg.tiles_for(rows, 4096, fmt)
+    if rows == 1 and fmt in (tg.AWQ, tg.GPTQ):
+        return [tg.QuantTiles(1, bn, bk, w, s) for bn, bk, w, s in
+                itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8), (2, 3))]
+    if rows <= tg.SKINNY_ROWS:
+        return [base._replace(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128), (4,), (4, 6, 8))
+                if fmt != tg.FP8 or bk == 128]
+    return [tg.QuantTiles(*t) for t in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                                        (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                                        (128, 128, 64, 4, 4), (256, 128, 64, 8, 3))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64,4096")
+    ap.add_argument("--formats", default="fp8,awq,gptq")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tune", action="store_true", help="time every tile candidate")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rate = copy_rate_gbs()
+    print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s", flush=True)
+    for fmt, rows, name in itertools.product(args.formats.split(","),
+                                             map(int, args.rows.split(",")),
+                                             args.shapes.split(",")):
+        n, k = SHAPES[name]
+        one, nbytes = weights(fmt, n, k)
+        copies = [one] + [weights(fmt, n, k)[0] for _ in range(max(0, SPAN // nbytes - 1))]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        floor = nbytes / rate / 1e3
+        cublas = graph_time_us([lambda x=x, b=bf16: F.linear(x, b)] * 8)
+        tiles = [None] + (candidates(rows, one["fmt"]) if args.tune else [])
+        results = []
+        for t in tiles:
+            try:
+                us = graph_time_us([lambda a=a, x=x, n=n, t=t: tg.quant_gemm(x, n=n, tiles=t, **a)
+                                    for a in copies])
+            except Exception as e:  # a candidate the compiler refuses (shared memory)
+                print(f"  {t}: {type(e).__name__}", flush=True)
+                continue
+            results.append((us, t))
+        best_us, best = min(results, key=lambda r: r[0])
+        default_us = results[0][0]
+        tflops = 2 * rows * n * k / default_us / 1e6
+        print(f"{fmt:5s} rows {rows:5d} {name:8s} floor {floor:7.1f} us | default "
+              f"{default_us:7.1f} us ({default_us / floor:.2f}x, {tflops:.0f} TFLOP/s) | "
+              f"cuBLAS bf16 {cublas:7.1f} us ({default_us / cublas:.2f}x)"
+              + (f" | best {best_us:7.1f} us {tuple(best)}" if best else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
