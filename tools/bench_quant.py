@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp8,awq,gptq")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true", help="time every tile candidate")
+    ap.add_argument("--variants", action="store_true",
+                    help="FP8: x quantized in the kernel or before it, scales hoisted or not")
     args = ap.parse_args()
     torch.manual_seed(0)
     rate = copy_rate_gbs()
@@ -109,6 +111,13 @@ def main() -> None:
         floor = nbytes / rate / 1e3
         cublas = graph_time_us([lambda x=x, b=bf16: F.linear(x, b)] * 8)
         tiles = [None] + (candidates(rows, one["fmt"]) if args.tune else [])
+        if fmt == "fp8" and args.variants:
+            print("  FP8 x quantized in the kernel (1) or before (2), scales read before the loop "
+                  "(hoist): " + ", ".join(
+                      f"x {xm} hoist {h}: " + format(graph_time_us(
+                          [lambda a=a, x=x, n=n, xm=xm, h=h: tg.quant_gemm(
+                              x, n=n, x_mode=xm, hoist=h, **a) for a in copies]), ".1f")
+                      for xm, h in itertools.product((1, 2), (False, True))), flush=True)
         results = []
         for t in tiles:
             try:

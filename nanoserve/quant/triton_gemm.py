@@ -57,11 +57,13 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
 @triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stride_xs,
                      stride_ym, stride_w, stride_s, scale_cols, X_MODE: tl.constexpr,
-                     SCALE_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     SCALE_ONCE: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row.
     # X_MODE 0: x float32, w widened (no activation quantization); 1: x quantized here, per
-    # row and step; 2: x already e4m3 (quantize_activations), XScale [M, K / BLOCK_K]
+    # row and step; 2: x already e4m3 (quantize_activations), XScale [M, K / BLOCK_K].
+    # STEPS (a power of two >= K / BLOCK_K, or 0): the steps' scales are read before the loop,
+    # so that the loop's only loads are the dot's operands (the pipeliner's)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,6 +72,15 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
     x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_at = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
+    if STEPS > 0:
+        steps = tl.arange(0, STEPS)
+        step_ok = steps < K // BLOCK_K
+        if not SCALE_ONCE:
+            w_scales = tl.load(Scales + row[:, None] + (steps * BLOCK_K // scale_cols)[None, :],
+                               mask=n_ok[:, None] & step_ok[None, :], other=0.0)
+        if X_MODE == 2:
+            x_scales = tl.load(XScale + offs_m[:, None] * stride_xs + steps[None, :],
+                               mask=m_ok[:, None] & step_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
@@ -82,12 +93,20 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
             xq = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(w.dtype)
             part = tl.dot(xq, tl.trans(w)) * x_scale[:, None]
         else:
-            x_scale = tl.load(XScale + offs_m * stride_xs + k0 // BLOCK_K, mask=m_ok, other=0.0)
+            if STEPS > 0:
+                x_scale = tl.sum(tl.where(steps[None, :] == k0 // BLOCK_K, x_scales, 0.0), 1)
+            else:
+                x_scale = tl.load(XScale + offs_m * stride_xs + k0 // BLOCK_K, mask=m_ok,
+                                  other=0.0)
             part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
         if SCALE_ONCE:
             acc += part
         else:
-            acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)[None, :]
+            if STEPS > 0:
+                w_scale = tl.sum(tl.where(steps[None, :] == k0 // BLOCK_K, w_scales, 0.0), 1)
+            else:
+                w_scale = tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)
+            acc += part * w_scale[None, :]
         x_at += BLOCK_K
         w_at += BLOCK_K
     if SCALE_ONCE:
@@ -279,8 +298,8 @@ def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
 def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor, n: int,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-               group: int = 128, zero_offset: int = 0,
-               tiles: QuantTiles | None = None) -> torch.Tensor:
+               group: int = 128, zero_offset: int = 0, tiles: QuantTiles | None = None,
+               x_mode: int | None = None, hoist: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
     each output's row of it; bf16 / fp16 x quantized per FP8_GROUP inputs. AWQ: w [K, n / 8],
@@ -297,7 +316,10 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if fmt == FP8:
         scale_row = scales if scale_row is None else scale_row
-        x_mode = 0 if x.dtype == torch.float32 else 1 if m <= SKINNY_ROWS else 2
+        if x_mode is None:
+            x_mode = 0 if x.dtype == torch.float32 else 1 if m <= SKINNY_ROWS else 2
+        if hoist is None:
+            hoist = m <= SKINNY_ROWS
         x_scale = scales
         if x_mode == 2:
             x, x_scale = quantize_activations(x, block_k)
@@ -305,8 +327,8 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
         _fp8_gemm_kernel[grid](
             x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(0),
             y.stride(0), w.stride(0), scales.stride(0), scale_cols, X_MODE=x_mode,
-            SCALE_ONCE=scale_cols >= k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=block_k, **launch)
+            SCALE_ONCE=scale_cols >= k, STEPS=triton.next_power_of_2(k // block_k) if hoist else 0,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
         return y
     zeros = scales if zeros is None else zeros
     if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
