@@ -2,9 +2,10 @@
 (quant/formats.py): the memory it takes, and the weight bytes a step reads, are the quantized
 ones.
 
-Its product dequantizes the weight and multiplies: the reference path, on every device. The
-fused kernels for each format (dequantizing inside the GEMM / GEMV) come in beside it, tested
-against it.
+On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
+per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV); elsewhere, and where
+those do not take the rows, it dequantizes the weight and multiplies: the reference path, which
+the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve import new_kernels
 from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.formats import dequantize, fill_dummy, tensor_specs
 
@@ -68,7 +68,7 @@ class QuantizedLinear(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if new_kernels.ENABLED and x.is_cuda:
+        if x.is_cuda:
             y = self.kernel_forward(x.reshape(-1, x.shape[-1]))
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
@@ -114,7 +114,10 @@ class QuantizedLinear(nn.Module):
                 self.weight_scale.reshape(-1, 1)
             args = dict(fmt=FP8, w=self.weight, scales=scales,
                         scale_row=torch.cat(rows).to(device, torch.int32),
-                        scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30)
+                        scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30,
+                        cublas_blocks=q.method == "fp8_block" and tuple(q.block) == (128, 128)
+                        and all(n % 128 == 0 for n in self.shard_sizes)
+                        and self.in_features % 128 == 0)
         elif q.method == "awq":
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)

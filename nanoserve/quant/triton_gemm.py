@@ -33,6 +33,10 @@ import triton.language as tl
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
 SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
 FP8_GROUP = 128  # inputs an activation scale covers (the checkpoints' weight blocks' width)
+INT4_MAX_ROWS = 1024  # more rows: dequantized once, then cuBLAS (the 4-bit GEMM's tiles run at
+# a fifth of cuBLAS's bf16 rate; tools/bench_quant.py at 4096 rows)
+CUBLAS_ROWS = 16  # FP8 128 x 128 blocks from this many rows: cuBLAS (none below: one row is
+# refused, and the Triton kernel matches it at 16-64; tools/bench_quant.py)
 
 
 class QuantTiles(NamedTuple):
@@ -51,19 +55,16 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
         return QuantTiles(1, 64, 128, 4, 3)
     if m <= SKINNY_ROWS:
         return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
-    return QuantTiles(128, 128, 128 if fmt == FP8 else 64, 8, 3)
+    return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
 
 
 @triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stride_xs,
-                     stride_ym, stride_w, stride_s, scale_cols, X_MODE: tl.constexpr,
-                     SCALE_ONCE: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row.
-    # X_MODE 0: x float32, w widened (no activation quantization); 1: x quantized here, per
-    # row and step; 2: x already e4m3 (quantize_activations), XScale [M, K / BLOCK_K].
-    # STEPS (a power of two >= K / BLOCK_K, or 0): the steps' scales are read before the loop,
-    # so that the loop's only loads are the dot's operands (the pipeliner's)
+                     stride_ym, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
+                     SCALE_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
+    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or float32 (w widened)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,41 +73,19 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
     x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_at = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
-    if STEPS > 0:
-        steps = tl.arange(0, STEPS)
-        step_ok = steps < K // BLOCK_K
-        if not SCALE_ONCE:
-            w_scales = tl.load(Scales + row[:, None] + (steps * BLOCK_K // scale_cols)[None, :],
-                               mask=n_ok[:, None] & step_ok[None, :], other=0.0)
-        if X_MODE == 2:
-            x_scales = tl.load(XScale + offs_m[:, None] * stride_xs + steps[None, :],
-                               mask=m_ok[:, None] & step_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-        if X_MODE == 0:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
-        elif X_MODE == 1:
-            x = x.to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-            xq = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(w.dtype)
-            part = tl.dot(xq, tl.trans(w)) * x_scale[:, None]
-        else:
-            if STEPS > 0:
-                x_scale = tl.sum(tl.where(steps[None, :] == k0 // BLOCK_K, x_scales, 0.0), 1)
-            else:
-                x_scale = tl.load(XScale + offs_m * stride_xs + k0 // BLOCK_K, mask=m_ok,
-                                  other=0.0)
+        if FP8_X:
+            x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok, other=0.0)
             part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
         if SCALE_ONCE:
             acc += part
         else:
-            if STEPS > 0:
-                w_scale = tl.sum(tl.where(steps[None, :] == k0 // BLOCK_K, w_scales, 0.0), 1)
-            else:
-                w_scale = tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)
-            acc += part * w_scale[None, :]
+            acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)[None, :]
         x_at += BLOCK_K
         w_at += BLOCK_K
     if SCALE_ONCE:
@@ -116,10 +95,10 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
 
 
 @triton.jit
-def _quantize_rows_kernel(X, XQ, XScale, K, stride_xm, stride_qm, stride_sm,
+def _quantize_rows_kernel(X, XQ, XScale, K, stride_xm, stride_qm, stride_sg,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr):
     # one row of x: e4m3 values and a scale per GROUP inputs (GROUPS: a power of two >= K /
-    # GROUP)
+    # GROUP), the scales stored group-major (XScale [K / GROUP, M], as cuBLAS takes them)
     m = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -128,7 +107,7 @@ def _quantize_rows_kernel(X, XQ, XScale, K, stride_xm, stride_qm, stride_sm,
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(XQ + m * stride_qm + offs, xq.to(XQ.dtype.element_ty), mask=ok)
-    tl.store(XScale + m * stride_sm + g, scale, mask=g * GROUP < K)
+    tl.store(XScale + g * stride_sg + m, scale, mask=g * GROUP < K)
 
 
 @triton.jit
@@ -261,8 +240,10 @@ def block_k_for(k: int, limit: int, want: int) -> int | None:
 
 
 def supports(x: torch.Tensor, fmt: int, k: int, scale_cols: int, group: int) -> bool:
-    """Whether the kernels take rows x against a weight of k inputs in this format."""
+    """Whether the kernels take rows x against a weight of k inputs in this format (the 4-bit
+    formats up to INT4_MAX_ROWS rows)."""
     return x.is_cuda and x.dim() == 2 and x.shape[1] == k and \
+        (fmt == FP8 or x.shape[0] <= INT4_MAX_ROWS) and \
         x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
         block_k_for(k, step_limit(fmt, scale_cols, group), 16) is not None
 
@@ -274,15 +255,16 @@ def activation_group(k: int, scale_cols: int) -> int | None:
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group]): each row's groups of `group`
-    inputs over their largest magnitude / 448 (fp8_activations_reference is its torch twin)."""
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group] stored group-major): each row's
+    groups of `group` inputs over their largest magnitude / 448 (fp8_activations_reference is
+    its torch twin)."""
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
+    scales = torch.empty(k // group, m, dtype=torch.float32, device=x.device)
     groups = triton.next_power_of_2(k // group)
     _quantize_rows_kernel[(m,)](x, xq, scales, k, x.stride(0), xq.stride(0), scales.stride(0),
                                 GROUP=group, GROUPS=groups, num_warps=8 if groups > 32 else 4)
-    return xq, scales
+    return xq, scales.t()
 
 
 def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -298,39 +280,25 @@ def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
 def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor, n: int,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
-               group: int = 128, zero_offset: int = 0, tiles: QuantTiles | None = None,
-               x_mode: int | None = None, hoist: bool | None = None) -> torch.Tensor:
+               group: int = 128, zero_offset: int = 0, cublas_blocks: bool = False,
+               tiles: QuantTiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
-    each output's row of it; bf16 / fp16 x quantized per FP8_GROUP inputs. AWQ: w [K, n / 8],
-    zeros [K / group, n / 8], scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8]
-    (each plus zero_offset), scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's
-    group. See `supports`."""
+    each output's row of it; bf16 / fp16 x quantized per `activation_group` inputs; with
+    `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block) CUBLAS_ROWS rows or
+    more run cuBLAS's block-scaled FP8 GEMM. AWQ: w [K, n / 8], zeros [K / group, n / 8],
+    scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8] (each plus zero_offset),
+    scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's group. See `supports`."""
     x = x.contiguous()
     m, k = x.shape
-    tiles = tiles or tiles_for(m, n, fmt)
-    block_k = activation_group(k, scale_cols) if fmt == FP8 else \
-        block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
-    assert block_k is not None, (k, fmt, scale_cols, group)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if fmt == FP8:
-        scale_row = scales if scale_row is None else scale_row
-        if x_mode is None:
-            x_mode = 0 if x.dtype == torch.float32 else 1 if m <= SKINNY_ROWS else 2
-        if hoist is None:
-            hoist = m <= SKINNY_ROWS
-        x_scale = scales
-        if x_mode == 2:
-            x, x_scale = quantize_activations(x, block_k)
-        grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-        _fp8_gemm_kernel[grid](
-            x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(0),
-            y.stride(0), w.stride(0), scales.stride(0), scale_cols, X_MODE=x_mode,
-            SCALE_ONCE=scale_cols >= k, STEPS=triton.next_power_of_2(k // block_k) if hoist else 0,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
-        return y
+        return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
+    tiles = tiles or tiles_for(m, n, fmt)
+    block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
+    assert block_k is not None, (k, fmt, group)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     zeros = scales if zeros is None else zeros
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
         _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
             x, w, scales, zeros, y, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
@@ -343,4 +311,29 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
         scales.stride(0), zeros.stride(0), group, zero_offset, FORMAT=fmt,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
+    return y
+
+
+def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+              scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
+              tiles: QuantTiles | None) -> torch.Tensor:
+    m, k = x.shape
+    dtype = x.dtype
+    block_k = activation_group(k, scale_cols)
+    assert block_k is not None, (k, scale_cols)
+    fp8_x = dtype != torch.float32
+    x_scale = scales
+    if fp8_x:
+        x, x_scale = quantize_activations(x, block_k)
+        if cublas_blocks and m >= CUBLAS_ROWS:
+            return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
+                                    out_dtype=dtype)
+    tiles = tiles or tiles_for(m, n, FP8)
+    y = torch.empty(m, n, dtype=dtype, device=x.device)
+    scale_row = scales if scale_row is None else scale_row
+    _fp8_gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
+        x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(1),
+        y.stride(0), w.stride(0), scales.stride(0), scale_cols, FP8_X=fp8_x,
+        SCALE_ONCE=scale_cols >= k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
