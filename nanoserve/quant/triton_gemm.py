@@ -48,11 +48,11 @@ class QuantTiles(NamedTuple):
 
 
 def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
-    """Tiles by rows and format: one row of a 4-bit weight (the GEMV: block_m unused), decode's
-    few rows (a row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's) and
-    prefill's many. block_k is the largest the format allows up to this."""
+    """Tiles by rows and format: one row of a 4-bit weight (the GEMV: block_m its split of K),
+    decode's few rows (a row tile of 16-64, 32 or 64 outputs a program, as the skinny
+    matmul's) and prefill's many. block_k is the largest the format allows up to this."""
     if m == 1 and fmt in (AWQ, GPTQ):
-        return QuantTiles(1, 64, 128, 4, 3)
+        return QuantTiles(2, 64, 32, 4, 3)
     if m <= SKINNY_ROWS:
         return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
@@ -95,15 +95,16 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
 
 
 @triton.jit
-def _quantize_rows_kernel(X, XQ, XScale, K, stride_xm, stride_qm, stride_sg,
+def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr):
     # one row of x: e4m3 values and a scale per GROUP inputs (GROUPS: a power of two >= K /
-    # GROUP), the scales stored group-major (XScale [K / GROUP, M], as cuBLAS takes them)
+    # GROUP), the scales stored group-major (XScale [K / GROUP, rows], as cuBLAS takes them);
+    # rows from M on (padding) are zeros
     m = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < K
-    x = tl.load(X + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(XQ + m * stride_qm + offs, xq.to(XQ.dtype.element_ty), mask=ok)
@@ -168,56 +169,61 @@ def _int4_gemm_kernel(X, W, Scales, Zeros, GIdx, Y, M, N, K, stride_xm, stride_y
 
 @triton.jit
 def _int4_gemv_kernel(X, W, Scales, Zeros, Y, N, K, stride_w, stride_s, stride_z, group,
-                      zero_offset, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    # one row; a step is one group (BLOCK_K == group). Outputs as [words, 8] (AWQ: a word's
-    # eight outputs) or [8, columns] ... both kept as [BLOCK_N // 8, 8] / [BLOCK_N]
-    pid = tl.program_id(0)
+                      zero_offset, FORMAT: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one row x [K]. Program (n, s) owns BLOCK_N outputs over the s-th of SPLIT_K parts of K
+    # (SPLIT_K > 1: float32 Y, added into atomically). Products accumulate element by element
+    # and are summed over K once, at the end; a step (BLOCK_K inputs) lies within one group
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, 8)
     MAGIC: tl.constexpr = 0x4B000000  # float32 2^23: its bit pattern plus q is 2^23 + q
-    if FORMAT == 1:  # W int32 [K, N / 8]; out[w, c] is output 8 w + c, at nibble shifts[c]
-        words = pid * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    k_start = pid_k * (K // SPLIT_K)
+    if FORMAT == 1:  # W int32 [K, N / 8]; [w, c]: output 8 w + c, at nibble shift shifts[c]
+        words = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         w_ok = words < N // 8
         shifts = (j % 2) * 16 + (j // 2) * 4
         cols = words[:, None] * 8 + j[None, :]
-        c_ok = w_ok[:, None]
         offs_k = tl.arange(0, BLOCK_K)
-        w_at = W + offs_k[:, None].to(tl.int64) * stride_w + words[None, :]
-        acc = tl.zeros([BLOCK_N // 8, 8], tl.float32)
-    else:  # W int32 [K / 8, N]: word row r holds inputs 8 r .. 8 r + 7
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_at = W + (k_start + offs_k[:, None]).to(tl.int64) * stride_w + words[None, :]
+        acc = tl.zeros([BLOCK_K, BLOCK_N // 8, 8], tl.float32)
+    else:  # W int32 [K / 8, N]: word row r holds inputs 8 r .. 8 r + 7 at shifts 4 j
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         rows = tl.arange(0, BLOCK_K // 8)
-        w_at = W + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :]
-        acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        w_at = W + (k_start // 8 + rows[:, None]).to(tl.int64) * stride_w + offs_n[None, :]
+        acc = tl.zeros([BLOCK_K // 8, 8, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
         g = k0 // group
         if FORMAT == 1:
             x = tl.load(X + k0 + offs_k).to(tl.float32)
             word = tl.load(w_at, mask=w_ok[None, :], other=0)
-            q = (((word[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC).to(
-                tl.float32, bitcast=True) - 8388608.0
-            dot = tl.sum(x[:, None, None] * q, axis=0)
             zw = tl.load(Zeros + g * stride_z + words, mask=w_ok, other=0)
-            z = ((zw[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)
-            s = tl.load(Scales + g * stride_s + cols, mask=c_ok, other=0.0).to(tl.float32)
-            acc += (dot - tl.sum(x, axis=0) * z) * s
+            z = ((zw[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + 8388608.0
+            s = tl.load(Scales + g * stride_s + cols, mask=w_ok[:, None], other=0.0)
+            q = (((word[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC).to(
+                tl.float32, bitcast=True)
+            acc += x[:, None, None] * ((q - z[None, :, :]) * s.to(tl.float32)[None, :, :])
             w_at += BLOCK_K * stride_w
         else:
             x = tl.load(X + k0 + rows[:, None] * 8 + j[None, :]).to(tl.float32)
             word = tl.load(w_at, mask=n_ok[None, :], other=0)
-            q = (((word[:, None, :] >> (j * 4)[None, :, None]) & 0xF) | MAGIC).to(
-                tl.float32, bitcast=True) - 8388608.0
-            dot = tl.sum(tl.sum(x[:, :, None] * q, axis=0), axis=0)
             zw = tl.load(Zeros + g * stride_z + offs_n // 8, mask=n_ok, other=0)
-            z = (((zw >> (offs_n % 8) * 4) & 0xF) + zero_offset).to(tl.float32)
+            z = (((zw >> (offs_n % 8) * 4) & 0xF) + zero_offset).to(tl.float32) + 8388608.0
             s = tl.load(Scales + g * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc += (dot - tl.sum(tl.sum(x, axis=0), axis=0) * z) * s
+            q = (((word[:, None, :] >> (j * 4)[None, :, None]) & 0xF) | MAGIC).to(
+                tl.float32, bitcast=True)
+            acc += x[:, :, None] * ((q - z[None, None, :]) * s[None, None, :])
             w_at += (BLOCK_K // 8) * stride_w
     if FORMAT == 1:
-        tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=c_ok)
+        out = tl.sum(acc, axis=0)
+        at, ok = Y + cols, w_ok[:, None]
     else:
-        tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+        out = tl.sum(tl.sum(acc, axis=0), axis=0)
+        at, ok = Y + offs_n, n_ok
+    if SPLIT_K > 1:
+        tl.atomic_add(at, out, mask=ok, sem="relaxed")
+    else:
+        tl.store(at, out.to(Y.dtype.element_ty), mask=ok)
 
 
 def step_limit(fmt: int, scale_cols: int, group: int) -> int:
@@ -254,16 +260,19 @@ def activation_group(k: int, scale_cols: int) -> int | None:
     return block_k_for(k, step_limit(FP8, scale_cols, 0), FP8_GROUP)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group] stored group-major): each row's
-    groups of `group` inputs over their largest magnitude / 448 (fp8_activations_reference is
-    its torch twin)."""
+def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [rows, K], float32 scales [rows, K / group] stored group-major): each
+    row's groups of `group` inputs over their largest magnitude / 448
+    (fp8_activations_reference is its torch twin); rows past M (`rows`, default M) zeros."""
     m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(k // group, m, dtype=torch.float32, device=x.device)
+    rows = rows or m
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
     groups = triton.next_power_of_2(k // group)
-    _quantize_rows_kernel[(m,)](x, xq, scales, k, x.stride(0), xq.stride(0), scales.stride(0),
-                                GROUP=group, GROUPS=groups, num_warps=8 if groups > 32 else 4)
+    _quantize_rows_kernel[(rows,)](x, xq, scales, m, k, x.stride(0), xq.stride(0),
+                                   scales.stride(0), GROUP=group, GROUPS=groups,
+                                   num_warps=8 if groups > 32 else 4)
     return xq, scales.t()
 
 
@@ -300,10 +309,13 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     zeros = scales if zeros is None else zeros
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
-        _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-            x, w, scales, zeros, y, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
-            group, zero_offset, FORMAT=fmt, BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
-        return y
+        split = tiles.block_m if k % (tiles.block_m * block_k) == 0 else 1
+        out = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else y
+        _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
+            x, w, scales, zeros, out, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
+            group, zero_offset, FORMAT=fmt, SPLIT_K=split, BLOCK_N=tiles.block_n,
+            BLOCK_K=block_k, **launch)
+        return out.to(x.dtype) if split > 1 else y
     g_idx = scales if g_idx is None else g_idx
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _int4_gemm_kernel[grid](
@@ -323,11 +335,13 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     assert block_k is not None, (k, scale_cols)
     fp8_x = dtype != torch.float32
     x_scale = scales
+    if fp8_x and cublas_blocks and m >= CUBLAS_ROWS:
+        # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
+        x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16)
+        return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
+                                out_dtype=dtype)[:m]
     if fp8_x:
         x, x_scale = quantize_activations(x, block_k)
-        if cublas_blocks and m >= CUBLAS_ROWS:
-            return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
-                                    out_dtype=dtype)
     tiles = tiles or tiles_for(m, n, FP8)
     y = torch.empty(m, n, dtype=dtype, device=x.device)
     scale_row = scales if scale_row is None else scale_row
