@@ -51,8 +51,8 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
     """Tiles by rows and format: one row of a 4-bit weight (the GEMV: block_m its split of K),
     decode's few rows (a row tile of 16-64, 32 or 64 outputs a program, as the skinny
     matmul's) and prefill's many. block_k is the largest the format allows up to this."""
-    if m == 1 and fmt in (AWQ, GPTQ):
-        return QuantTiles(2, 64, 32, 4, 3)
+    if m == 1 and fmt in (AWQ, GPTQ):  # an H100, Qwen3-8B's shapes (tools/bench_quant.py)
+        return QuantTiles(8, 64, 64, 4, 3) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
     if m <= SKINNY_ROWS:
         return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)

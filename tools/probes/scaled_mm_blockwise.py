@@ -4,6 +4,9 @@ w 128 x 128), its error against float64 and its time against bf16 cuBLAS, Qwen3-
 
 from __future__ import annotations
 
+import itertools
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -22,8 +25,30 @@ def timed_us(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) * 1e3 / reps
 
 
+def small_shapes() -> None:
+    """cuBLAS's block-scaled path against the Triton kernel and float64 at small shapes."""
+    for (n, k), rows in itertools.product(((1024, 256), (256, 512), (384, 256), (640, 512),
+                                           (256, 256), (1024, 512), (512, 1024)), (16, 300)):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-3 + 1e-4
+        row = (torch.arange(n, device="cuda") // 128).to(torch.int32)
+        dense = w.double() * ws.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        ref = tg.fp8_activations_reference(x, 128).double() @ dense.T
+        errs = []
+        for cublas in (True, False):
+            y = tg.quant_gemm(x, tg.FP8, w, ws, n, scale_row=row, scale_cols=128,
+                              cublas_blocks=cublas)
+            errs.append(((y.double() - ref).abs().max() / ref.abs().max()).item())
+        print(f"n {n} k {k} rows {rows}: cuBLAS err {errs[0]:.2e}, Triton err {errs[1]:.2e}",
+              flush=True)
+
+
 def main() -> None:
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
+    if "--small" in sys.argv:
+        small_shapes()
+        return
     print("F.scaled_mm:", hasattr(F, "scaled_mm"), [n for n in dir(F) if "scal" in n.lower()])
     for n, k in ((6144, 4096), (4096, 12288), (24576, 4096)):
         shape(4096, n, k)
