@@ -117,7 +117,7 @@ class QuantizedLinear(nn.Module):
                         scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30,
                         cublas_blocks=q.method == "fp8_block" and tuple(q.block) == (128, 128)
                         and all(n % 128 == 0 for n in self.shard_sizes)
-                        and self.in_features % 128 == 0 and self.in_features > 128)
+                        and self.in_features % 128 == 0 and self.in_features >= 512)
         elif q.method == "awq":
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)

@@ -294,8 +294,9 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
     each output's row of it; bf16 / fp16 x quantized per `activation_group` inputs; with
-    `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block) CUBLAS_ROWS rows or
-    more run cuBLAS's block-scaled FP8 GEMM. AWQ: w [K, n / 8], zeros [K / group, n / 8],
+    `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block; K at least 512: at
+    256 cuBLAS's results are wrong, tools/probes/scaled_mm_blockwise.py --small) CUBLAS_ROWS
+    rows or more run cuBLAS's block-scaled FP8 GEMM. AWQ: w [K, n / 8], zeros [K / group, n / 8],
     scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8] (each plus zero_offset),
     scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's group. See `supports`."""
     x = x.contiguous()
