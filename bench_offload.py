@@ -67,7 +67,20 @@ def measure_ceilings() -> dict:
     b = torch.randn_like(a)
     tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
     return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops,
-            "host_read_GBps": host_read_gbps()}
+            "fp8_TFLOPs": fp8_tflops(), "host_read_GBps": host_read_gbps()}
+
+
+def fp8_tflops() -> float | None:
+    """cuBLAS's FP8 matmul rate (8192^3, one scale a tensor), or None where the GPU has none:
+    the rate an FP8-weight model's linear layers are held to (prefill_floor_s)."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    try:
+        return 2 * 8192**3 / median_ms(lambda: torch._scaled_mm(
+            a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e9
+    except RuntimeError:
+        return None
 
 
 def host_read_gbps(nbytes: int = 1 << 30, repeat: int = 5) -> float:
@@ -129,6 +142,18 @@ def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
     linear = 2 * (num_active_params(cfg) - emb) * tokens
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
     return batch * (linear + attn)
+
+
+def prefill_floor_s(cfg: ModelConfig, tokens: int, batch: int, ceil: dict, tp: int = 1
+                    ) -> float:
+    """prefill_flops at the bf16 matmul rate; an FP8-weight model's linear layers at the FP8
+    rate (its attention stays bf16)."""
+    total = prefill_flops(cfg, tokens, batch)
+    q = cfg.quantization
+    if q is None or not q.method.startswith("fp8") or not ceil.get("fp8_TFLOPs"):
+        return total / tp / ceil["bf16_TFLOPs"] / 1e12
+    attn = batch * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens
+    return ((total - attn) / ceil["fp8_TFLOPs"] + attn / ceil["bf16_TFLOPs"]) / tp / 1e12
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
@@ -336,8 +361,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         **cpu_split_figures(runner),
         "pcie_floor_ms": (bytes_step + cpu_bytes) / h2d / 1e6,
         "hbm_floor_ms": resident_bytes / ceil["hbm_GBps"] / 1e6,
-        "prefill_floor_s": prefill_flops(cfg, input_len, batch) / tp / ceil["bf16_TFLOPs"] /
-        1e12,
+        "prefill_floor_s": prefill_floor_s(cfg, input_len, batch, ceil, tp),
     }
     floor = max(row["pcie_floor_ms"], row["hbm_floor_ms"])
     row["tpot_over_floor"] = row["tpot_ms_median"] / floor
@@ -487,10 +511,9 @@ def run_hf(args, hf, cache: str, input_len: int, batch: int, cfg: ModelConfig,
             "decode_tok_s": batch / tpot, "output_tok_s": batch * args.output_len / total,
             "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "h2d_bytes_per_step": 0.0, "pcie_floor_ms": 0.0, "hbm_floor_ms": 0.0,
-            "prefill_floor_s": prefill_flops(cfg, input_len, batch) / ceil["bf16_TFLOPs"] / 1e12,
+            "prefill_floor_s": prefill_floor_s(cfg, input_len, batch, ceil),
             "tpot_over_floor": float("nan"),
-            "ttft_over_floor": ttft / (prefill_flops(cfg, input_len, batch)
-                                       / ceil["bf16_TFLOPs"] / 1e12)}
+            "ttft_over_floor": ttft / prefill_floor_s(cfg, input_len, batch, ceil)}
 
 
 def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[dict],
@@ -556,7 +579,8 @@ def _print_ratios(rows: list[dict], key: str, title: str, line) -> None:
 
 def print_table(rows: list[dict], ceil: dict) -> None:
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
-          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, host "
+          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, FP8 "
+          f"{ceil.get('fp8_TFLOPs') or 0:.0f}, host "
           f"memory reads {ceil.get('host_read_GBps', float('nan')):.0f} GB/s")
     tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
     if tp_ceils:

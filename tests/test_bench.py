@@ -238,6 +238,23 @@ def test_moe_floors_count_the_weights_a_step_reads():
     assert weight_bytes(dense, 2, 1) == weight_bytes(dense, 2, 64)
 
 
+def test_an_fp8_models_prefill_floor_runs_its_linear_layers_at_the_fp8_rate():
+    """FP8 weights: the linear layers' FLOPs over the FP8 matmul rate, attention's over bf16's;
+    bf16 weights, or no FP8 rate measured: everything over bf16's."""
+    from bench_offload import prefill_floor_s, prefill_flops
+    from nanoserve.models.loader import resolve_model_dir
+    fp8 = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B-FP8", dummy_weights=True))
+    bf16 = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
+    ceil = {"bf16_TFLOPs": 1.0, "fp8_TFLOPs": 2.0}
+    total = prefill_flops(fp8, 1000, 2)
+    attn = 2 * 2 * 36 * 32 * 128 * 1000 * 1000
+    assert prefill_floor_s(fp8, 1000, 2, ceil) == pytest.approx(
+        ((total - attn) / 2.0 + attn) / 1e12)
+    assert prefill_floor_s(bf16, 1000, 2, ceil) == pytest.approx(total / 1e12)
+    assert prefill_floor_s(fp8, 1000, 2, {"bf16_TFLOPs": 1.0, "fp8_TFLOPs": None}) == \
+        pytest.approx(total / 1e12)
+
+
 def test_tp_rows_count_every_ranks_bytes_against_the_gpus_bandwidth_together(capsys):
     """TP=2 offloaded: each rank streams half the heads, the floor counts both halves over the
     two GPUs' bandwidth together; the row reports its TPOT over the TP=1 row's."""

@@ -183,11 +183,8 @@ for w in $what; do
       done ;;
     tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
       run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;
-    moe)  # issue 18: the MoE layer's paths alone (with the new router kernel: the fused
-          # path's second row), then Qwen3-30B-A3B at batch 1 and 32
+    moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
-      NANOSERVE_NEW_KERNELS=1 run python3 tools/bench_moe.py --batch 1,8,32 2>&1 \
-        | tee "$OUT/bench_moe_new.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \
         --batch-size 1,32 --resident-graph --offload-graph --out "$OUT/moe" 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tail -16 ;;

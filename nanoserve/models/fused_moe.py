@@ -6,10 +6,9 @@ over the stacked weights, each tile of rows belonging to one expert:
   written once and the [pairs, 2I] one of the unfused path never exists;
 - down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
   token are then summed (one reduction, in fp32, rounded once).
-The router's softmax, top-k and renormalization can run as one kernel too (`route`, behind
-new_kernels until measured). No host synchronization anywhere: the padded sizes are bounded
-by the pair count, so every launch has a static grid and is captured in decode graphs; tiles
-past the used ones exit.
+The router's softmax, top-k and renormalization run as one kernel too (`route`). No host
+synchronization anywhere: the padded sizes are bounded by the pair count, so every launch has a
+static grid and is captured in decode graphs; tiles past the used ones exit.
 
 Each expert with tokens is read once per tile column, so at batch 1 a layer reads its k experts
 (the HBM floor); at larger batches an expert's rows share its weights in one tile.
