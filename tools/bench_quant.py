@@ -78,8 +78,11 @@ def candidates(rows: int, fmt: int) -> list[tg.QuantTiles]:
     """Tiles to try (FP8's K step is fixed: it is its activation group)."""
     base = tg.tiles_for(rows, 4096, fmt)
     if rows == 1 and fmt in (tg.AWQ, tg.GPTQ):
-        return [tg.QuantTiles(split, bn, bk, 4, 3) for split, bn, bk in
+        return [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in
                 itertools.product((1, 2, 4, 8), (32, 64, 128), (32, 64, 128)) if bn * bk <= 8192]
+    if rows <= tg.SKINNY_ROWS and fmt == tg.FP8:
+        return [base._replace(block_n=bn, num_stages=s, split_k=split)
+                for split, bn, s in itertools.product((1, 2, 4, 8), (16, 32, 64), (3, 4, 6))]
     if rows <= tg.SKINNY_ROWS:
         return [base._replace(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
                 for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6))

@@ -45,14 +45,15 @@ class QuantTiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # decode: programs a column tile's K is split over (float32 atomic adds)
 
 
 def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
-    """Tiles by rows and format: one row of a 4-bit weight (the GEMV: block_m its split of K),
-    decode's few rows (a row tile of 16-64, 32 or 64 outputs a program, as the skinny
-    matmul's) and prefill's many. block_k is the largest the format allows up to this."""
+    """Tiles by rows and format: one row of a 4-bit weight (the GEMV), decode's few rows (a
+    row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's) and prefill's many.
+    block_k is the largest the format allows up to this."""
     if m == 1 and fmt in (AWQ, GPTQ):  # an H100, Qwen3-8B's shapes (tools/bench_quant.py)
-        return QuantTiles(8, 64, 64, 4, 3) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
+        return QuantTiles(1, 64, 64, 4, 3, 8) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
     if m <= SKINNY_ROWS:
         return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
@@ -61,20 +62,24 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
 @triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stride_xs,
                      stride_ym, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
-                     SCALE_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
-    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or float32 (w widened)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or float32 (w widened).
+    # Program (m, n, s) takes the s-th of SPLIT_K parts of K (SPLIT_K > 1: float32 Y, added
+    # into atomically)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_start = pid_k * (K // SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
-    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
     row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
+    # (K / SPLIT_K) % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
+    for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
         if FP8_X:
@@ -90,8 +95,11 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
         w_at += BLOCK_K
     if SCALE_ONCE:
         acc *= tl.load(Scales + row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-             acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    y_at = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(y_at, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -310,7 +318,7 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     zeros = scales if zeros is None else zeros
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
-        split = tiles.block_m if k % (tiles.block_m * block_k) == 0 else 1
+        split = tiles.split_k if k % (tiles.split_k * block_k) == 0 else 1
         out = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else y
         _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
             x, w, scales, zeros, out, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
@@ -344,11 +352,14 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if fp8_x:
         x, x_scale = quantize_activations(x, block_k)
     tiles = tiles or tiles_for(m, n, FP8)
-    y = torch.empty(m, n, dtype=dtype, device=x.device)
+    split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else \
+        torch.empty(m, n, dtype=dtype, device=x.device)
     scale_row = scales if scale_row is None else scale_row
-    _fp8_gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
+    _fp8_gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)](
         x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(1),
         y.stride(0), w.stride(0), scales.stride(0), scale_cols, FP8_X=fp8_x,
-        SCALE_ONCE=scale_cols >= k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return y
+        SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return y.to(dtype) if split > 1 else y
