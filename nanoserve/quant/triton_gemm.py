@@ -54,8 +54,12 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
     block_k is the largest the format allows up to this."""
     if m == 1 and fmt in (AWQ, GPTQ):  # an H100, Qwen3-8B's shapes (tools/bench_quant.py)
         return QuantTiles(1, 64, 64, 4, 3, 8) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
-    if m <= SKINNY_ROWS:
-        return QuantTiles(max(16, triton.next_power_of_2(m)), 32 if n <= 8192 else 64, 128, 4, 6)
+    if m <= SKINNY_ROWS:  # FP8 at 1-64 rows on an H100 (tools/bench_quant.py --tune)
+        block_m = max(16, triton.next_power_of_2(m))
+        if fmt == FP8:
+            return QuantTiles(block_m, 64, 128, 4, 3, 4) if n <= 8192 else \
+                QuantTiles(block_m, 64, 128, 4, 4)
+        return QuantTiles(block_m, 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
 
 
