@@ -162,10 +162,12 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
     a sparse layer reads E (1 - (1 - k/E)^batch) experts, the expectation under uniform
     routing (k at batch 1; Qwen3-30B-A3B: 8, 51.6, 111.8 of 128 at batch 1, 8, 32)."""
     emb = cfg.vocab_size * cfg.hidden_size
-    if cfg.quantization is not None:  # the quantized layers' own bytes (dense models only)
+    if cfg.quantization is not None:  # the quantized layers' own bytes, FP8 experts' 1 a weight
         dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+        bn, bk = cfg.quantization.block
         return model_bytes(cfg, dtype, tp=1) - (0 if cfg.tie_word_embeddings else
-                                                emb * dtype_bytes)
+                                                emb * dtype_bytes) \
+            - unread_expert_params(cfg, batch) * (1 + 4 / (bn * bk))
     read = num_model_params(cfg) - emb - unread_expert_params(cfg, batch)
     return read * dtype_bytes + (emb if cfg.tie_word_embeddings else 0)
 

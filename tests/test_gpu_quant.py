@@ -102,3 +102,48 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (cublas, rows, err)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@torch.inference_mode()
+def test_fp8_experts_through_the_fused_kernels_equal_the_loop_on_their_dequantized_weights(
+        dtype, bound, tokens):
+    """FP8 block-wise experts (128 x 128 scales), dequantized inside the fused MoE kernels'
+    tiles: within `bound` (relative to the largest output) of the loop reference on the
+    dequantized stacks in float32 (8 experts, top 2)."""
+    from nanoserve.models import fused_moe, moe
+    from nanoserve.quant import QuantConfig
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    e, h, i = 8, 256, 128
+    quant = QuantConfig("fp8_block")
+    stacks = [(torch.randn(e, 2 * i, h, device="cuda", generator=gen) * 64).clamp(-448, 448),
+              (torch.randn(e, h, i, device="cuda", generator=gen) * 64).clamp(-448, 448)]
+    stacks = [s.to(torch.float8_e4m3fn) for s in stacks]
+    scales = [torch.rand(e, 2 * i // 128, h // 128, device="cuda", generator=gen) * 1e-3,
+              torch.rand(e, h // 128, i // 128, device="cuda", generator=gen) * 1e-3]
+    x = torch.randn(tokens, h, device="cuda", generator=gen)
+    router = torch.randn(e, h, device="cuda", generator=gen)
+    weights, ids = moe.route(x, router, 2, True)
+    dense = [moe.dequantize_stack(quant, w, s, torch.float32)
+             for w, s in zip(stacks, scales, strict=True)]
+    ref = moe.experts_loop(x, weights, ids, *dense)
+    got = fused_moe.experts_fused(x.to(dtype), weights.to(dtype), ids, *stacks,
+                                  scales=tuple(scales), block=(128, 128)).float()
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < bound, (dtype, tokens, err)
+
+
+def test_an_fp8_moe_model_on_the_gpu_gives_its_cpu_tokens(tmp_path):
+    """A tiny Qwen3-MoE in FP8 block-wise (16 x 32 blocks), float32: the GPU's fused path
+    (experts dequantized in the tiles) gives the CPU's greedy tokens (the loop over the
+    dequantized experts)."""
+    from helpers import make_llm
+    make_hf_model("qwen3_moe", tmp_path / "src", seed=4)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp8", "fp8_block", block=(16, 32))
+    prompts = random_prompts(3, [40, 9, 77], vocab=256, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    gpu = make_gpu_llm(tmp_path / "fp8", dtype="float32", max_model_len=1024)
+    cpu = make_llm(tmp_path / "fp8")
+    assert [o.token_ids for o in gpu.generate(prompts, params)] == \
+        [o.token_ids for o in cpu.generate(prompts, params)]

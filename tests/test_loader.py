@@ -103,8 +103,8 @@ def test_local_dir_without_config_json(tmp_path):
 
 
 SHIPPED_NOTE = ("shipped configs for --dummy-weights: ['Llama-3-8B-1048k', 'Llama-3.1-8B', "
-                "'Mistral-Nemo-12B', 'Qwen2.5-7B', 'Qwen3-30B-A3B', 'Qwen3-4B', 'Qwen3-8B', "
-                "'Qwen3-8B-AWQ', 'Qwen3-8B-FP8', 'Qwen3-8B-YaRN']")
+                "'Mistral-Nemo-12B', 'Qwen2.5-7B', 'Qwen3-30B-A3B', 'Qwen3-30B-A3B-FP8', "
+                "'Qwen3-4B', 'Qwen3-8B', 'Qwen3-8B-AWQ', 'Qwen3-8B-FP8', 'Qwen3-8B-YaRN']")
 
 
 @pytest.mark.parametrize("model, error, message", [

@@ -260,3 +260,63 @@ def test_compressed_tensors_regex_ignore_keeps_its_layers_dense(source, tmp_path
     assert not isinstance(layers[1].mlp.down_proj, QuantizedLinear)
     assert isinstance(layers[0].mlp.down_proj, QuantizedLinear)
     assert isinstance(layers[1].mlp.gate_up_proj, QuantizedLinear)
+
+
+@pytest.mark.parametrize("block", [(16, 32), (32, 32)])
+def test_an_fp8_moe_checkpoint_gives_its_dequantized_twins_logits_and_tokens(tmp_path, block):
+    """Qwen3-MoE in FP8 block-wise as Qwen3-30B-A3B-FP8 ships it (each expert's projections
+    with their own weight_scale_inv, the router dense): the experts stay e4m3 in memory, beside
+    their scales, and the logits (within 2e-4) and 16 greedy tokens are those of transformers'
+    Qwen3MoeForCausalLM holding the dequantized weights."""
+    from safetensors.torch import save_file
+
+    from nanoserve.models.moe import Experts
+    src, dst, twin_dir = tmp_path / "src", tmp_path / "fp8", tmp_path / "twin"
+    make_hf_model("qwen3_moe", src, seed=4)
+    dequantized = quantize_checkpoint(src, dst, "fp8_block", block=block)
+    twin_dir.mkdir()
+    (twin_dir / "config.json").write_text((src / "config.json").read_text())
+    save_file({k: v.float().contiguous() for k, v in dequantized.items()},
+              twin_dir / "model.safetensors")
+    twin = transformers.AutoModelForCausalLM.from_pretrained(twin_dir,
+                                                              dtype=torch.float32).eval()
+    llm = make_llm(dst, page_size=8)
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(e.gate_up_proj.dtype == torch.float8_e4m3fn and
+                           e.down_proj.dtype == torch.float8_e4m3fn for e in experts)
+    assert experts[0].gate_up_proj_scale_inv.shape == (8, 2 * 32 // block[0], 64 // block[1])
+    assert experts[0].gate_up_proj_scale_inv.dtype == torch.float32  # as the checkpoint's
+    ids = random_prompts(1, [33], seed=7)[0]
+    with torch.no_grad():
+        ref = twin(torch.tensor([ids])).logits[0].float()
+        want = twin.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert (engine_prefill_logits(llm, ids) - ref).abs().max().item() < 2e-4
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert llm.generate(ids, params)[0].token_ids == want
+
+
+def test_quantized_moe_checkpoints_other_than_fp8_block_wise_are_refused(tmp_path):
+    make_hf_model("qwen3_moe", tmp_path / "src", seed=4)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "awq", "awq", group=32)
+    with pytest.raises(UnsupportedQuantization, match="other than FP8 block-wise \\(awq\\)"):
+        ModelConfig.from_dir(tmp_path / "awq")
+
+
+def test_the_shipped_fp8_moe_shape_holds_its_experts_in_one_byte_a_weight():
+    """Qwen3-30B-A3B-FP8 for --dummy-weights: every linear weight, experts included, one byte
+    plus a float32 scale per 128 x 128 block; the router, norms and embeddings in bf16."""
+    from nanoserve.models.loader import SHIPPED_CONFIGS
+    from nanoserve.models.sizes import num_model_params
+    fp8 = ModelConfig.from_dir(SHIPPED_CONFIGS / "Qwen3-30B-A3B-FP8")
+    dense = ModelConfig.from_dir(SHIPPED_CONFIGS / "Qwen3-30B-A3B")
+    h, layers, experts, inter, vocab = 2048, 48, 128, 768, 151936
+    q, kv = 32 * 128, 4 * 128
+    shards = [(q, h), (kv, h), (kv, h), (h, q)] + [(inter, h), (inter, h), (h, inter)] * experts
+    per_layer = sum(n * k + -(-n // 128) * -(-k // 128) * 4 for n, k in shards)
+    bf16 = 2 * (2 * vocab * h + layers * (2 * h + 2 * 128 + experts * h) + h)
+    assert model_bytes(fp8, torch.bfloat16, 0, tp=1) == layers * per_layer + bf16
+    assert num_model_params(fp8) == num_model_params(dense)
+    # the bench's decode floor reads the 8 routed experts of 128 in one byte a weight
+    from bench_offload import weight_bytes
+    assert 0.5 < weight_bytes(fp8, 2, 1) / weight_bytes(dense, 2, 1) < 0.56

@@ -160,6 +160,13 @@ def moe_cases():
                 torch.zeros(4, hidden, dtype=dtype), torch.ones(4, k, dtype=dtype), ids,
                 torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
                 torch.zeros(experts, hidden, inter, dtype=dtype), tiles)
+    fp8 = torch.float8_e4m3fn
+    yield "fused MoE experts, FP8 block-wise weights", lambda: fused_moe.experts_fused(
+        torch.zeros(4, hidden, dtype=torch.bfloat16), torch.ones(4, k, dtype=torch.bfloat16),
+        ids, torch.zeros(experts, 2 * inter, hidden, dtype=fp8),
+        torch.zeros(experts, hidden, inter, dtype=fp8), MoETiles(16, 32, 128, 4, 4),
+        scales=(torch.ones(experts, 2 * inter // 128, hidden // 128),
+                torch.ones(experts, hidden // 128, inter // 128)))
 
 
 def main() -> None:

@@ -38,19 +38,21 @@ class Target:
 
 def checkpoint_target(name: str) -> Target:
     parts = name.split(".")
-    expert = None
+    expert, suffix = None, ""
     if "experts" in parts:
         i = parts.index("experts") + 1
         if i < len(parts) and parts[i].isdigit():
             expert = int(parts.pop(i))
-            if parts[-1] == "weight":  # stacked experts are parameters, not Linear modules
-                parts.pop()
+            # stacked experts are parameters, not Linear modules: an FP8 expert's block
+            # scales go beside its weights (moe.Experts)
+            if parts[-1] in ("weight", "weight_scale_inv"):
+                suffix = "_scale_inv" if parts.pop() == "weight_scale_inv" else ""
     shard = None
     for i, part in enumerate(parts):
         if part in FUSED_SHARDS:
             parts[i], shard = FUSED_SHARDS[part]
             break
-    return Target(".".join(parts), expert, shard)
+    return Target(".".join(parts) + suffix, expert, shard)
 
 
 def destination(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
@@ -63,14 +65,17 @@ def destination(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
     if target.expert is not None:
         dst = dst[target.expert]
     if target.shard is not None:
-        dst = dst[modules[target.param.rsplit(".", 1)[0]].shard_slice(target.shard)]
+        module = modules[module_name]
+        dst = dst[module.shard_slice(target.shard, scales=True) if attr.endswith("_scale_inv")
+                  else module.shard_slice(target.shard)]
     return dst
 
 
 def pieces(name: str, module: nn.Module) -> list[Target]:
     """Every piece of parameter `name` a checkpoint must fill (one per expert and shard)."""
     stacked = isinstance(module, Experts)
-    sharded = isinstance(module, MergedLinear) or (stacked and name.endswith("gate_up_proj")) \
+    sharded = isinstance(module, MergedLinear) or \
+        (stacked and name.endswith(("gate_up_proj", "gate_up_proj_scale_inv"))) \
         or (isinstance(module, QuantizedLinear) and len(module.shard_sizes) > 1)
     experts = range(module.num_experts) if stacked else [None]
     shards = range(len(module.shard_sizes)) if sharded else [None]

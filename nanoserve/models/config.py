@@ -132,10 +132,10 @@ def _quantization(raw: dict, family: Family) -> QuantConfig | None:
     # older compressed-tensors releases wrote compression_config
     quant = QuantConfig.from_dict(raw.get("quantization_config") or
                                   raw.get("compression_config"))
-    if quant is not None and family.moe:
-        raise UnsupportedQuantization(f"quantized mixture-of-experts checkpoints "
-                                      f"({quant.method}) are not supported yet; their dense "
-                                      f"(bf16) releases are")
+    if quant is not None and family.moe and quant.method != "fp8_block":
+        raise UnsupportedQuantization(f"quantized mixture-of-experts checkpoints other than FP8 "
+                                      f"block-wise ({quant.method}) are not supported yet; "
+                                      f"their bf16 and FP8 releases are")
     return quant
 
 

@@ -34,6 +34,7 @@ from nanoserve.models.layers import (
 )
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
+from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.linear import QuantizedLinear
 
 
@@ -70,6 +71,18 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(positions, q, k, v, self)
+
+
+def experts_quantization(cfg: ModelConfig, at: str) -> QuantConfig | None:
+    """The checkpoint's quantization of the experts at `at`, None where they are dense (the
+    router stays dense: nanoserve holds it in the model's dtype)."""
+    quant = cfg.quantization
+    names = [f"{at}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    quantized = [quant is not None and quant.quantizes(name) for name in names]
+    if any(quantized) and not all(quantized):
+        raise ValueError(f"the checkpoint quantizes some of {at}'s projections and not the "
+                         f"others; nanoserve stacks them")
+    return quant if all(quantized) else None
 
 
 def linear(cfg: ModelConfig, names: list[str], in_features: int, shard_sizes: list[int],
@@ -136,7 +149,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_id) if layer_id not in cfg.moe_layers else SparseMoE(
             cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-            shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1], cfg.norm_topk_prob)
+            shard(cfg.moe_intermediate_size, "moe_intermediate_size")[1], cfg.norm_topk_prob,
+            experts_quantization(cfg, f"model.layers.{layer_id}.mlp.experts"))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, delta: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,14 +89,17 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert,
+def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert, BScale,
                      N, K, P, E, TOP_K, stride_am, stride_be, stride_bn, stride_cm,
-                     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     stride_se, stride_sn, scale_rows, scale_cols,
+                     GATE_UP: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """C[pair, n] for the rows of one tile (one expert) and BLOCK_N columns. GATE_UP: A is the
     tokens (row pair // TOP_K), B an expert's [2N, K] gate then up rows, C = silu(gate) * up,
     each rounded to C's dtype where torch's unfused path rounds. Else A is the intermediate
-    (row pair), B an expert's [N, K] down rows, C = A B^T times the pair's routing weight."""
+    (row pair), B an expert's [N, K] down rows, C = A B^T times the pair's routing weight.
+    FP8_B: B is e4m3 with BScale [E, rows / scale_rows, K / scale_cols] its block scales; a K
+    step lies within one block column (scale_cols % BLOCK_K == 0), its dot is scaled after."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, col = pid // tiles_n, pid % tiles_n
@@ -113,16 +116,28 @@ def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert,
     a_at = A + row[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_at = B + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + \
         offs_k[:, None]
+    if FP8_B:  # each output's row of the expert's block scales (gate's, and up's N rows on)
+        s_at = BScale + expert.to(tl.int64) * stride_se + (offs_n // scale_rows) * stride_sn
+        s_up_at = BScale + expert.to(tl.int64) * stride_se + \
+            ((offs_n + N) // scale_rows) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k
         a = tl.load(a_at, mask=live[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_at, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP8_B:
+            s = tl.load(s_at + k // scale_cols, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATE_UP:
             up = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+            if FP8_B:
+                s_up = tl.load(s_up_at + k // scale_cols, mask=n_ok, other=0.0)
+                acc_up += tl.dot(a, up.to(a.dtype), input_precision=PRECISION) * s_up[None, :]
+            else:
+                acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
         a_at += BLOCK_K
         b_at += BLOCK_K
     if GATE_UP:
@@ -136,16 +151,26 @@ def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert,
 
 
 def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor,
-                  tiles: MoETiles | None = None) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor, tiles: MoETiles | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The experts' weighted sum for tokens x [T, H] routed to ids [T, k] with weights [T, k]:
-    gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts)."""
+    gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts). FP8 experts: e4m3 stacks
+    with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
+    tiles (x is not quantized)."""
     t, k = ids.shape
     num_experts, inter2, hidden = gate_up.shape
     inter = inter2 // 2
     pairs = t * k
     if tiles is None:
         tiles = tiles_for(pairs, num_experts, hidden, inter, x.device)
+    if scales is not None:  # a K step within one scale block
+        step = tiles.block_k
+        while block[1] % step:
+            step //= 2
+        tiles = tiles._replace(block_k=step)
+    gate_up_scales, down_scales = scales if scales is not None else (gate_up, down)
+    fp8 = dict(FP8_B=scales is not None, scale_rows=block[0], scale_cols=block[1])
     sorted_pairs, tile_expert = sort_pairs(ids, num_experts, tiles.block_m)
     num_tiles = tile_expert.numel()
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
@@ -157,13 +182,13 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     _moe_gemm_kernel[(num_tiles * triton.cdiv(inter, tiles.block_n),)](
-        x, gate_up, mid, flat_weights, sorted_pairs, tile_expert, inter, hidden, pairs,
-        num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
-        GATE_UP=True, **meta)
+        x, gate_up, mid, flat_weights, sorted_pairs, tile_expert, gate_up_scales, inter, hidden,
+        pairs, num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
+        gate_up_scales.stride(0), gate_up_scales.stride(1), GATE_UP=True, **fp8, **meta)
     _moe_gemm_kernel[(num_tiles * triton.cdiv(hidden, tiles.block_n),)](
-        mid, down, out, flat_weights, sorted_pairs, tile_expert, hidden, inter, pairs,
-        num_experts, k, mid.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        GATE_UP=False, **meta)
+        mid, down, out, flat_weights, sorted_pairs, tile_expert, down_scales, hidden, inter,
+        pairs, num_experts, k, mid.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        down_scales.stride(0), down_scales.stride(1), GATE_UP=False, **fp8, **meta)
     return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
 
 

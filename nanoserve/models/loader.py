@@ -15,6 +15,7 @@ from nanoserve.distributed.parallel_state import tp_size
 from nanoserve.models.checkpoint import checkpoint_target, covered, destination, pieces
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
+from nanoserve.models.moe import Experts
 from nanoserve.models.parallel import copy_rank_part, full_shape, read_rank_part
 from nanoserve.models.sizes import num_model_params
 from nanoserve.quant.linear import QuantizedLinear
@@ -234,7 +235,8 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     the ranks together hold exactly the TP=1 model of the same seed."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     modules = dict(model.named_modules())
-    quantized = {name for name, m in modules.items() if isinstance(m, QuantizedLinear)}
+    quantized = {name for name, m in modules.items() if isinstance(m, QuantizedLinear)
+                 or (isinstance(m, Experts) and m.quant is not None)}
     for name in sorted(quantized):
         modules[name].fill_dummy(gen)
     for name, p in model.named_parameters():

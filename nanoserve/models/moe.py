@@ -33,6 +33,8 @@ from torch import nn
 
 from nanoserve.distributed.parallel_state import all_reduce
 from nanoserve.models.layers import silu_and_mul
+from nanoserve.quant.config import QuantConfig, UnsupportedQuantization
+from nanoserve.quant.formats import dequantize, fill_dummy
 
 MOE_BACKENDS = ("auto", "fused", "loop", "grouped", "gather")
 GATHER_MAX_TOKENS = 64  # auto without the fast grouped GEMM: gather up to here, loop beyond
@@ -40,28 +42,76 @@ GATHER_MAX_TOKENS = 64  # auto without the fast grouped GEMM: gather up to here,
 
 class Experts(nn.Module):
     """E SwiGLU experts' weights, stacked; the loader copies checkpoint expert e's gate_proj,
-    up_proj and down_proj into their rows of expert e."""
+    up_proj and down_proj into their rows of expert e. With an FP8 block-wise checkpoint
+    (`quant`) the stacks hold its e4m3 weights and each projection's `weight_scale_inv` sits
+    beside them (`gate_up_proj_scale_inv` [E, 2I / bn, H / bk], `down_proj_scale_inv`
+    [E, H / bn, I / bk]): the fused path reads them as they are, the others dequantize."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.quant = num_experts, quant
         self.shard_sizes = [intermediate_size, intermediate_size]  # gate_up_proj rows: gate, up
+        dtype = None
+        if quant is not None:
+            bn, bk = quant.block
+            if quant.method != "fp8_block" or intermediate_size % bn or hidden_size % bn:
+                raise UnsupportedQuantization(
+                    f"quantized experts: only FP8 block-wise checkpoints whose blocks tile the "
+                    f"experts' rows are supported, not {quant.method} with block {quant.block} "
+                    f"(hidden {hidden_size}, intermediate {intermediate_size})")
+            dtype = torch.float8_e4m3fn
+            self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(
+                num_experts, 2 * intermediate_size // bn, -(-hidden_size // bk),
+                dtype=torch.float32), requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(torch.empty(
+                num_experts, hidden_size // bn, -(-intermediate_size // bk), dtype=torch.float32),
+                requires_grad=False)
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            requires_grad=quant is None)
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+            requires_grad=quant is None)
 
-    def shard_slice(self, shard: int) -> slice:
-        size = self.shard_sizes[0]
+    def shard_slice(self, shard: int, scales: bool = False) -> slice:
+        """gate_up_proj's rows of shard 0 (gate) or 1 (up); `scales`: its scales' rows."""
+        size = self.shard_sizes[0] // (self.quant.block[0] if scales else 1)
         return slice(shard * size, (shard + 1) * size)
+
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in `dtype`: dequantized (computed in float32)
+        where the experts are FP8."""
+        if self.quant is None:
+            return self.gate_up_proj, self.down_proj
+        return tuple(dequantize_stack(self.quant, w, s, dtype) for w, s in (
+            (self.gate_up_proj, self.gate_up_proj_scale_inv),
+            (self.down_proj, self.down_proj_scale_inv)))
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        """Random FP8 experts dequantizing to about N(0, 0.02), as quant.formats.fill_dummy."""
+        for w, s in ((self.gate_up_proj, self.gate_up_proj_scale_inv),
+                     (self.down_proj, self.down_proj_scale_inv)):
+            for e in range(self.num_experts):
+                fill_dummy(self.quant, {"weight": w[e], "weight_scale_inv": s[e]}, generator)
+
+
+def dequantize_stack(q: QuantConfig, w: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Stacked e4m3 weights [E, n, k] with their block scales, in `dtype`."""
+    e, n, k = w.shape
+    return torch.stack([dequantize(q, {"weight_scale_inv": scales[i], "weight": w[i]}, n, k,
+                                   dtype) for i in range(e)])
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 norm_topk_prob: bool) -> None:
+                 norm_topk_prob: bool, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, quant)
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +121,15 @@ class SparseMoE(nn.Module):
             weights, ids = fused_moe.route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         else:
             weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
-        run = EXPERT_PATHS[path]
+        experts = self.experts
+        if path == "fused" and experts.quant is not None:
+            from nanoserve.models import fused_moe
+            return all_reduce(fused_moe.experts_fused(
+                x, weights, ids, experts.gate_up_proj, experts.down_proj,
+                scales=(experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv),
+                block=experts.quant.block))
         # under TP each expert's intermediate rows are split: the ranks' outputs are partial sums
-        return all_reduce(run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj))
+        return all_reduce(EXPERT_PATHS[path](x, weights, ids, *experts.stacks(x.dtype)))
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
