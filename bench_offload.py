@@ -43,7 +43,12 @@ from nanoserve.kv.spec import KVSpec
 from nanoserve.kv.synthetic import fill_random
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import model_bytes, resolve_model_dir
-from nanoserve.models.sizes import num_active_params, num_model_params, unread_expert_params
+from nanoserve.models.sizes import (
+    expert_params,
+    num_active_params,
+    num_model_params,
+    unread_expert_params,
+)
 from nanoserve.text import plural
 
 MODES = {
@@ -147,13 +152,14 @@ def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
 def prefill_floor_s(cfg: ModelConfig, tokens: int, batch: int, ceil: dict, tp: int = 1
                     ) -> float:
     """prefill_flops at the bf16 matmul rate; an FP8-weight model's linear layers at the FP8
-    rate (its attention stays bf16)."""
+    rate, except attention and FP8 experts (the fused MoE kernels widen them to bf16)."""
     total = prefill_flops(cfg, tokens, batch)
     q = cfg.quantization
     if q is None or not q.method.startswith("fp8") or not ceil.get("fp8_TFLOPs"):
         return total / tp / ceil["bf16_TFLOPs"] / 1e12
-    attn = batch * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens
-    return ((total - attn) / ceil["fp8_TFLOPs"] + attn / ceil["bf16_TFLOPs"]) / tp / 1e12
+    bf16 = batch * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens + \
+        batch * 2 * tokens * len(cfg.moe_layers) * cfg.num_experts_per_tok * expert_params(cfg)
+    return ((total - bf16) / ceil["fp8_TFLOPs"] + bf16 / ceil["bf16_TFLOPs"]) / tp / 1e12
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:

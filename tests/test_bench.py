@@ -253,6 +253,13 @@ def test_an_fp8_models_prefill_floor_runs_its_linear_layers_at_the_fp8_rate():
     assert prefill_floor_s(bf16, 1000, 2, ceil) == pytest.approx(total / 1e12)
     assert prefill_floor_s(fp8, 1000, 2, {"bf16_TFLOPs": 1.0, "fp8_TFLOPs": None}) == \
         pytest.approx(total / 1e12)
+    # FP8 experts run bf16 dots: the 8 routed experts of each of the 48 layers at bf16's rate
+    from nanoserve.models.sizes import expert_params
+    moe = ModelConfig.from_dir(resolve_model_dir("Qwen3-30B-A3B-FP8", dummy_weights=True))
+    total = prefill_flops(moe, 1000, 1)
+    slow = 2 * 48 * 32 * 128 * 1000 * 1000 + 2 * 1000 * 48 * 8 * expert_params(moe)
+    assert prefill_floor_s(moe, 1000, 1, ceil) == pytest.approx(
+        ((total - slow) / 2.0 + slow) / 1e12)
 
 
 def test_tp_rows_count_every_ranks_bytes_against_the_gpus_bandwidth_together(capsys):

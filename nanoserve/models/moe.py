@@ -34,7 +34,7 @@ from torch import nn
 from nanoserve.distributed.parallel_state import all_reduce
 from nanoserve.models.layers import silu_and_mul
 from nanoserve.quant.config import QuantConfig, UnsupportedQuantization
-from nanoserve.quant.formats import dequantize, fill_dummy
+from nanoserve.quant.formats import dequantize, fill_dummy, gpu_reads_e4m3
 
 MOE_BACKENDS = ("auto", "fused", "loop", "grouped", "gather")
 GATHER_MAX_TOKENS = 64  # auto without the fast grouped GEMM: gather up to here, loop beyond
@@ -122,7 +122,7 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         experts = self.experts
-        if path == "fused" and experts.quant is not None:
+        if path == "fused" and experts.quant is not None and gpu_reads_e4m3(x.device):
             from nanoserve.models import fused_moe
             return all_reduce(fused_moe.experts_fused(
                 x, weights, ids, experts.gate_up_proj, experts.down_proj,

@@ -38,6 +38,13 @@ class TensorSpec:
     out_dim: int | None
 
 
+@functools.cache
+def gpu_reads_e4m3(device: torch.device) -> bool:
+    """Whether Triton's kernels read e4m3 on this GPU (casts and dots: sm89 and later); older
+    GPUs run FP8 checkpoints through the dequantizing reference."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

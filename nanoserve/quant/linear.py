@@ -79,7 +79,10 @@ class QuantizedLinear(nn.Module):
         (quant/triton_gemm.py), for rows x [M, in_features]; None where the kernel does not take
         them (quant/triton_gemm.supports) or this layer (a fused GPTQ layer whose shards' g_idx
         differ)."""
-        from nanoserve.quant import triton_gemm
+        try:
+            from nanoserve.quant import triton_gemm
+        except ImportError:  # a CUDA install without Triton: the reference path
+            return None
         args = self._kernel_args()
         if args is None or not triton_gemm.supports(
                 x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
@@ -116,8 +119,7 @@ class QuantizedLinear(nn.Module):
                         scale_row=torch.cat(rows).to(device, torch.int32),
                         scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30,
                         cublas_blocks=q.method == "fp8_block" and tuple(q.block) == (128, 128)
-                        and all(n % 128 == 0 for n in self.shard_sizes)
-                        and self.in_features % 128 == 0 and self.in_features >= 512)
+                        and all(n % 128 == 0 for n in self.shard_sizes))
         elif q.method == "awq":
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)

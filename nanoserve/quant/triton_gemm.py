@@ -24,11 +24,14 @@ many as a tiled GEMM.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from nanoserve.quant.formats import gpu_reads_e4m3
 
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
 SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
@@ -246,11 +249,11 @@ def step_limit(fmt: int, scale_cols: int, group: int) -> int:
     return 1 << 30 if fmt == GPTQ_ACT_ORDER else group
 
 
-def block_k_for(k: int, limit: int, want: int) -> int | None:
+def block_k_for(k: int, limit: int, want: int, least: int = 16) -> int | None:
     """The K step: the largest power of two up to `want` dividing both k and the format's
-    limit (at least 16, a dot's least); None where none does."""
+    limit, at least `least` (a dot's least: 16, 32 for e4m3 operands); None where none does."""
     step = want
-    while step >= 16:
+    while step >= least:
         if k % step == 0 and (limit % step == 0 or limit >= 1 << 30):
             return step
         step //= 2
@@ -258,18 +261,34 @@ def block_k_for(k: int, limit: int, want: int) -> int | None:
 
 
 def supports(x: torch.Tensor, fmt: int, k: int, scale_cols: int, group: int) -> bool:
-    """Whether the kernels take rows x against a weight of k inputs in this format (the 4-bit
-    formats up to INT4_MAX_ROWS rows)."""
-    return x.is_cuda and x.dim() == 2 and x.shape[1] == k and \
-        (fmt == FP8 or x.shape[0] <= INT4_MAX_ROWS) and \
-        x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+    """Whether the kernels take rows x against a weight of k inputs in this format: the 4-bit
+    formats up to INT4_MAX_ROWS rows, FP8 where Triton reads e4m3 (sm89 and later)."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[1] == k and
+            x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    if fmt == FP8:
+        return gpu_reads_e4m3(x.device) and activation_group(k, scale_cols) is not None
+    return x.shape[0] <= INT4_MAX_ROWS and \
         block_k_for(k, step_limit(fmt, scale_cols, group), 16) is not None
+
+
+def cublas_block_scaled(device: torch.device, k: int) -> bool:
+    """Whether cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm, x 1 x 128, w 128 x 128) runs
+    here, right: Hopper (where it is measured), and K / 128 a multiple of 4: cuBLAS reads the
+    weight's scales with a leading dimension rounded up to 4, so other K are silently wrong
+    (PyTorch PR 166752; K = 256 gave errors of 1e5 here)."""
+    return _capability(device)[0] == 9 and k % 512 == 0
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def activation_group(k: int, scale_cols: int) -> int | None:
     """FP8's K step, and the inputs an activation scale covers: FP8_GROUP, or the largest
-    power of two below it dividing k and the weight's scale blocks."""
-    return block_k_for(k, step_limit(FP8, scale_cols, 0), FP8_GROUP)
+    power of two below it dividing k and the weight's scale blocks (at least 32)."""
+    return block_k_for(k, step_limit(FP8, scale_cols, 0), FP8_GROUP, least=32)
 
 
 def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None
@@ -315,13 +334,14 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     if fmt == FP8:
         return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
-    tiles = tiles or tiles_for(m, n, fmt)
+    gemv = m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32
+    tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt)
     block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
     assert block_k is not None, (k, fmt, group)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     zeros = scales if zeros is None else zeros
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32:
+    if gemv:
         split = tiles.split_k if k % (tiles.split_k * block_k) == 0 else 1
         out = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else y
         _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
@@ -348,7 +368,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     assert block_k is not None, (k, scale_cols)
     fp8_x = dtype != torch.float32
     x_scale = scales
-    if fp8_x and cublas_blocks and m >= CUBLAS_ROWS:
+    if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
         # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
         x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16)
         return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
@@ -356,7 +376,8 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if fp8_x:
         x, x_scale = quantize_activations(x, block_k)
     tiles = tiles or tiles_for(m, n, FP8)
-    split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
+    # float32 (references, tests) unsplit: atomic adds land in no fixed order
+    split = tiles.split_k if fp8_x and (k // block_k) % tiles.split_k == 0 else 1
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else \
         torch.empty(m, n, dtype=dtype, device=x.device)
     scale_row = scales if scale_row is None else scale_row
