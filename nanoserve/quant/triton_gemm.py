@@ -1,14 +1,16 @@
 """y = x W^T with W held quantized (quant/formats.py), in Triton: the weight's bytes are read in
 their quantized size, once per row tile, and never written back dequantized.
 
-- FP8 (block-wise, per channel, per tensor), `_fp8_gemm_kernel`: as the checkpoints declare
-  (`activation_scheme: dynamic`) and as vLLM and SGLang run them, x is quantized too, to e4m3
-  per row and K step of 128 (its scale: the group's largest magnitude over 448), and the
-  product runs on FP8 tensor cores: acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a
-  step never crossing a weight scale block; `scale_row` names each output's row of the weight
-  scales' grid (block-wise: its shard's block row, per channel: its own, per tensor: its
-  shard's). float32 x keeps its precision: w widened, no activation quantization
-  (`fp8_activations_reference` is the FP8 path's torch twin).
+- FP8 (block-wise, per channel, per tensor): as the checkpoints declare (`activation_scheme:
+  dynamic`) and as vLLM and SGLang run them, x is quantized too, to e4m3 per row and 128
+  inputs (its scale: the group's largest magnitude over 448), in one pass before the GEMM
+  (`quantize_activations`; `fp8_activations_reference` is its torch twin), and the product runs
+  on FP8 tensor cores. `_fp8_gemm_kernel`: acc += dot(xq, w) * x_scale[m] * w_scale[n] per
+  step, a step never crossing a weight scale block, `scale_row` naming each output's row of the
+  weight scales' grid (block-wise: its shard's block row, per channel: its own, per tensor: its
+  shard's); decode's rows split K over programs. 128 x 128 blocks from CUBLAS_ROWS rows:
+  cuBLAS's block-scaled GEMM (`cublas_block_scaled` says where it is right). float32 x keeps
+  its precision: w widened, no activation quantization.
 - AWQ (a word holds eight outputs, nibble order 0 2 4 6 1 3 5 7) and GPTQ (a word holds eight
   inputs), `_int4_gemm_kernel`: acc += (dot(x, q) - sum_k(x) z[n]) * s[n] per step of one
   group (4-bit integers are exact in bf16 and fp16); GPTQ with act-order (g_idx not k //
