@@ -140,10 +140,25 @@ def test_a_refused_method_stops_the_engine_before_any_weight_is_read(tmp_path, s
         make_llm(tmp_path)
 
 
-def test_quantized_checkpoints_are_refused_under_tensor_parallelism(source, tmp_path):
-    quantize_checkpoint(source, tmp_path, "fp8_block")
-    with pytest.raises(ValueError, match="runs at tensor parallel size 1 for now, not 2"):
-        make_llm(tmp_path, tensor_parallel_size=2)
+@pytest.mark.parametrize("method, options, reason", [
+    ("fp8_block", {}, "2 ranks would split q_proj's 64 outputs, k_proj's 32 outputs, gate_proj's "
+     "128 outputs, o_proj's 64 inputs, down_proj's 128 inputs inside a fp8_block block (128 "
+     "outputs x 128 inputs)"),
+    ("awq", {"group": 64}, "2 ranks would split o_proj's 64 inputs inside a awq block (8 "
+     "outputs x 64 inputs)"),
+    ("gptq", {"group": 16, "act_order": True},
+     "GPTQ with act-order (desc_act) mixes every group into every rank's inputs")])
+def test_quantized_checkpoints_tp_cannot_split_are_refused_naming_why(source, tmp_path, method,
+                                                                       options, reason):
+    """Tensor parallelism splits a quantized layer's own tensors: a rank's share must hold
+    whole blocks and groups, and act-order's groups cross ranks (tests/test_tp_model.py runs
+    the ones that split)."""
+    quantize_checkpoint(source, tmp_path, method, **options)
+    cfg = ModelConfig.from_dir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        cfg.check_tensor_parallel(2)
+    assert str(e.value) == (f"a quantized checkpoint ({cfg.quantization.method}) cannot run at "
+                            f"tensor parallel size 2: {reason}")
 
 
 def test_skipped_modules_stay_dense(source, tmp_path):

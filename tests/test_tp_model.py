@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import make_hf_model, random_prompts
+from quant_checkpoints import quantize_checkpoint
 from safetensors.torch import load_file, save_file
 from tp_worker import prefill_logits, run_rank
 
@@ -44,6 +45,15 @@ CASES = {
     "qwen3-dummy": ("qwen3", {}, True, "auto"),
     "qwen3-moe-dummy": ("qwen3_moe", {}, True, "auto"),
 }
+# quantized checkpoints (tests/quant_checkpoints.py) of the tiny qwen3: case -> (method, options);
+# each rank splits their own tensors (q/k/v and gate/up by outputs, o and down by inputs)
+QUANT_CASES = {
+    "qwen3-fp8-block": ("fp8_block", {"block": (16, 32)}),
+    "qwen3-fp8-channel": ("fp8_channel", {}),
+    "qwen3-awq": ("awq", {"group": 16}),
+    "qwen3-gptq": ("gptq", {"group": 16}),
+}
+EVERY_CASE = [*CASES, *QUANT_CASES]
 ONE_KV_HEAD = "qwen3-one-kv-head"  # refused: 2 ranks cannot split 1 KV head
 MISSING_K_PROJ = "qwen3-missing-k-proj"  # refused: a checkpoint without a tensor
 
@@ -63,6 +73,10 @@ def runs(tmp_path_factory):
             assert "model.layers.0.mlp.experts.gate_up_proj" in \
                 load_file(dirs[name] / "model.safetensors")
         jobs.append((name, dirs[name], PROMPTS, dummy, moe_backend))
+    for name, (method, options) in QUANT_CASES.items():
+        dirs[name] = root / name
+        quantize_checkpoint(dirs["qwen3"], dirs[name], method, **options)
+        jobs.append((name, dirs[name], PROMPTS, False, "auto"))
     make_hf_model("qwen3", root / ONE_KV_HEAD, num_key_value_heads=1)
     jobs.append((ONE_KV_HEAD, root / ONE_KV_HEAD, PROMPTS, False))
     missing = _without(dirs["qwen3"], root / MISSING_K_PROJ,
@@ -90,10 +104,12 @@ def runs(tmp_path_factory):
     assert not crashes, crashes[0]
     assert [p.exitcode for p in ranks] == [0] * TP
 
+    settings = {name: (dummy, backend) for name, (_, _, dummy, backend) in CASES.items()}
+    settings.update({name: (False, "auto") for name in QUANT_CASES})
     results = {name: dict(tp1=prefill_logits(dirs[name], PROMPTS, dummy, moe_backend),
                           ranks=[torch.load(out / f"{name}.{r}.pt") for r in range(TP)],
                           cfg=ModelConfig.from_dir(dirs[name]))
-               for name, (_, _, dummy, moe_backend) in CASES.items()}
+               for name, (dummy, moe_backend) in settings.items()}
     refusals = {name: [(out / f"{name}.{r}.err").read_text() for r in range(TP)]
                 for name in (ONE_KV_HEAD, MISSING_K_PROJ)}
     return results, refusals
@@ -110,7 +126,7 @@ def _without(src, dst, tensor: str):
     return dst
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", EVERY_CASE)
 def test_tp2_logits_equal_tp1_within_fp32_rounding_on_every_rank(runs, case):
     run = runs[0][case]
     ref, ranks = run["tp1"]["logits"], run["ranks"]
@@ -122,14 +138,14 @@ def test_tp2_logits_equal_tp1_within_fp32_rounding_on_every_rank(runs, case):
         assert err < REL_BOUND, f"{case}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", EVERY_CASE)
 def test_tp2_greedy_tokens_equal_tp1(runs, case):
     run = runs[0][case]
     for result in run["ranks"]:
         assert torch.equal(result["logits"].argmax(-1), run["tp1"]["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", EVERY_CASE)
 def test_every_rank_returns_the_same_full_logits(runs, case):
     rank0, rank1 = runs[0][case]["ranks"]
     assert torch.equal(rank0["logits"], rank1["logits"])
@@ -140,6 +156,16 @@ def test_each_rank_holds_its_share_of_the_parameters(runs, case):
     run = runs[0][case]
     assert run["tp1"]["params"] == num_model_params(run["cfg"])
     assert [r["params"] for r in run["ranks"]] == [num_model_params(run["cfg"], TP)] * TP
+
+
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_each_rank_holds_about_half_of_a_quantized_checkpoints_tensors(runs, case):
+    """The quantized layers' tensors split (weights, scales, zero points; the norms, per-tensor
+    scales and the o / down layers' per-output scales stay whole): each rank holds between
+    half of TP=1's elements and 60% of them."""
+    run = runs[0][case]
+    for result in run["ranks"]:
+        assert 0.5 * run["tp1"]["params"] < result["params"] < 0.6 * run["tp1"]["params"]
 
 
 def test_tp2_wrong_weights_fail_the_comparison(runs):

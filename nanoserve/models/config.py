@@ -105,14 +105,15 @@ class ModelConfig:
             splits["intermediate_size"] = self.intermediate_size
         if self.moe_layers:
             splits["moe_intermediate_size"] = self.moe_intermediate_size
-        if self.quantization is not None and size > 1:
-            raise ValueError(f"a quantized checkpoint ({self.quantization.method}) runs at "
-                             f"tensor parallel size 1 for now, not {size}")
         bad = [f"{name} {n}" for name, n in splits.items() if n % size]
         if bad:
             raise ValueError(f"tensor parallel size {size} does not divide the {self.architecture} "
                              f"config's {', '.join(bad)}: each rank holds an equal share of the "
                              f"attention heads, KV heads and MLP rows")
+        reason = self.quantization and size > 1 and _quantized_split_refusal(self, size)
+        if reason:
+            raise ValueError(f"a quantized checkpoint ({self.quantization.method}) cannot run at "
+                             f"tensor parallel size {size}: {reason}")
 
     def local_kv_heads(self, size: int | None = None) -> int:
         """KV heads one rank holds (and caches) under tensor parallelism of `size` ranks
@@ -126,6 +127,32 @@ class ModelConfig:
         size = tp_size() if size is None else size
         self.check_tensor_parallel(size)
         return self.num_heads // size
+
+
+def _quantized_split_refusal(cfg: ModelConfig, size: int) -> str | None:
+    """Why `size` ranks cannot split this quantized checkpoint's layers, or None: each rank's
+    outputs of q/k/v and gate/up, and inputs of o and down, must hold whole scale blocks
+    (FP8 block-wise), whole words and groups (AWQ, GPTQ)."""
+    q = cfg.quantization
+    if cfg.moe_layers:
+        return "quantized experts run at tensor parallel size 1"
+    if q.method == "gptq" and q.act_order:
+        return "GPTQ with act-order (desc_act) mixes every group into every rank's inputs"
+    outputs = {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+               "gate_proj": cfg.intermediate_size}
+    inputs = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+    if q.method == "fp8_block":
+        out_unit, in_unit = q.block
+    elif q.method in ("awq", "gptq"):
+        out_unit, in_unit = 8, q.group_size
+    else:
+        return None
+    bad = [f"{name}'s {n} outputs" for name, n in outputs.items() if n // size % out_unit] + \
+        [f"{name}'s {n} inputs" for name, n in inputs.items() if n // size % in_unit]
+    if bad:
+        return (f"{size} ranks would split {', '.join(bad)} inside a {q.method} block "
+                f"({out_unit} outputs x {in_unit} inputs)")
+    return None
 
 
 def _quantization(raw: dict, family: Family) -> QuantConfig | None:

@@ -73,6 +73,9 @@ class Attention(nn.Module):
         return self.backend.forward(positions, q, k, v, self)
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # tensor parallelism splits their inputs
+
+
 def experts_quantization(cfg: ModelConfig, at: str) -> QuantConfig | None:
     """The checkpoint's quantization of the experts at `at`, None where they are dense (the
     router stays dense: nanoserve holds it in the model's dtype)."""
@@ -96,7 +99,8 @@ def linear(cfg: ModelConfig, names: list[str], in_features: int, shard_sizes: li
             raise ValueError(f"the checkpoint quantizes some of {', '.join(names)} and not the "
                              f"others; nanoserve fuses them into one layer")
         # the 4-bit formats' scales are float16 in their checkpoints
-        return QuantizedLinear(in_features, shard_sizes, bias, quant, torch.float16)
+        return QuantizedLinear(in_features, shard_sizes, bias, quant, torch.float16,
+                               row_parallel=names[0].endswith(ROW_PARALLEL))
     if len(shard_sizes) > 1:
         return MergedLinear(in_features, shard_sizes, bias)
     return Linear(in_features, shard_sizes[0], bias=bias)

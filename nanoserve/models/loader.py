@@ -114,7 +114,9 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0,
     this process's TP size): its weights in `dtype` plus the fp32 RoPE table of `max_len`."""
     tp = tp_size() if tp is None else tp
     rope = max_len * cfg.head_dim * 4
-    if cfg.quantization is not None:  # the quantized tensors' own bytes (TP=1 only)
+    # the quantized tensors' own bytes, built as this process builds them (one rank's at its
+    # TP size, whatever `tp` says)
+    if cfg.quantization is not None:
         return sum(p.numel() * p.element_size()
                    for p in build_model(cfg, 0, dtype, torch.device("meta")).parameters()) + rope
     return num_model_params(cfg, tp) * dtype.itemsize + rope

@@ -19,6 +19,7 @@ from torch import nn
 from nanoserve.distributed.parallel_state import all_reduce, shard_padded, tp_rank, tp_size
 from nanoserve.models.layers import MergedLinear
 from nanoserve.models.moe import Experts
+from nanoserve.quant.linear import QuantizedLinear
 
 # parameter name ending -> the dimension the ranks split, counted from the end (so that a
 # checkpoint's per-expert tensor and the stacked parameter agree)
@@ -34,6 +35,13 @@ def split_dim(param: str) -> int | None:
     return next((dim for end, dim in SPLIT_DIMS.items() if param.endswith(end)), None)
 
 
+def module_split_dim(param: str, module: nn.Module) -> int | None:
+    """split_dim, or a quantized layer's own for its tensor (QuantizedLinear.tp_dim)."""
+    if isinstance(module, QuantizedLinear):
+        return module.tp_dim(param.rsplit(".", 1)[1])
+    return split_dim(param)
+
+
 def _fused(param: str, module: nn.Module) -> bool:
     return isinstance(module, MergedLinear) or \
         (isinstance(module, Experts) and param.endswith("gate_up_proj"))
@@ -46,11 +54,15 @@ def rank_part(param: str, module: nn.Module, shard_index: int | None, ndim: int
     `shard_index` of a fused projection (a checkpoint's k_proj), or all of it when None (then
     a fused one holds this rank's rows of each shard: its q, k and v heads). None: the whole
     tensor (a replicated parameter, or TP=1)."""
-    dim = split_dim(param)
+    dim = module_split_dim(param, module)
     if dim is None or tp_size() == 1:
         return None
     rank, size = tp_rank(), tp_size()
-    if _fused(param, module):
+    if isinstance(module, QuantizedLinear):  # a checkpoint's shard tensor, each its own layout
+        assert shard_index is not None or len(module.shard_sizes) == 1, param
+        n = module.shard_view(param.rsplit(".", 1)[1], shard_index or 0).shape[dim]
+        pieces = [(rank * n, n)]
+    elif _fused(param, module):
         local = module.shard_sizes  # this rank's rows of each shard
         shards = range(len(local)) if shard_index is None else [shard_index]
         pieces = [((size * sum(local[:i]) if shard_index is None else 0) + rank * local[i],

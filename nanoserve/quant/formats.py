@@ -30,12 +30,14 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each nibble of a word 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A checkpoint tensor of one shard: its shape and dtype, and which dimension runs along the
-    outputs (None: one per shard, stacked along a new first dimension)."""
+    """A checkpoint tensor of one shard: its shape and dtype, which dimension runs along the
+    outputs (None: one per shard, stacked along a new first dimension) and which along the
+    inputs (None: none; tensor parallelism splits a row-parallel layer's tensors there)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     out_dim: int | None
+    in_dim: int | None = None
 
 
 @functools.cache
@@ -55,24 +57,25 @@ def tensor_specs(q: QuantConfig, n: int, k: int, scale_dtype: torch.dtype
     formats' scales (the checkpoint's float16, or the model's dtype)."""
     if q.method == "fp8_block":
         bn, bk = q.block
-        return {"weight": TensorSpec((n, k), FP8, 0),
-                "weight_scale_inv": TensorSpec((_cdiv(n, bn), _cdiv(k, bk)), torch.float32, 0)}
+        return {"weight": TensorSpec((n, k), FP8, 0, 1),
+                "weight_scale_inv": TensorSpec((_cdiv(n, bn), _cdiv(k, bk)), torch.float32, 0,
+                                               1)}
     if q.method == "fp8_channel":
-        return {"weight": TensorSpec((n, k), FP8, 0),
+        return {"weight": TensorSpec((n, k), FP8, 0, 1),
                 "weight_scale": TensorSpec((n, 1), torch.float32, 0)}
     if q.method == "fp8_tensor":
-        return {"weight": TensorSpec((n, k), FP8, 0),
+        return {"weight": TensorSpec((n, k), FP8, 0, 1),
                 "weight_scale": TensorSpec((), torch.float32, None)}
     g = q.group_size
     _check_divides(q, n, k)
     if q.method == "awq":
-        return {"qweight": TensorSpec((k, n // 8), torch.int32, 1),
-                "qzeros": TensorSpec((k // g, n // 8), torch.int32, 1),
-                "scales": TensorSpec((k // g, n), scale_dtype, 1)}
-    return {"qweight": TensorSpec((k // 8, n), torch.int32, 1),
-            "qzeros": TensorSpec((_cdiv(k, g), n // 8), torch.int32, 1),
-            "scales": TensorSpec((_cdiv(k, g), n), scale_dtype, 1),
-            "g_idx": TensorSpec((k,), torch.int32, None)}
+        return {"qweight": TensorSpec((k, n // 8), torch.int32, 1, 0),
+                "qzeros": TensorSpec((k // g, n // 8), torch.int32, 1, 0),
+                "scales": TensorSpec((k // g, n), scale_dtype, 1, 0)}
+    return {"qweight": TensorSpec((k // 8, n), torch.int32, 1, 0),
+            "qzeros": TensorSpec((_cdiv(k, g), n // 8), torch.int32, 1, 0),
+            "scales": TensorSpec((_cdiv(k, g), n), scale_dtype, 1, 0),
+            "g_idx": TensorSpec((k,), torch.int32, None, 0)}
 
 
 def _check_divides(q: QuantConfig, n: int, k: int) -> None:
@@ -127,7 +130,10 @@ def dequantize(q: QuantConfig, t: dict[str, torch.Tensor], n: int, k: int,
         scales = t["scales"].float().repeat_interleave(g, 0)
         return ((ints - zeros).float() * scales).t().to(dtype)
     ints = _unpack(t["qweight"], 0)  # [k, n]
+    # a rank's inputs under tensor parallelism keep the checkpoint's group numbers, its scales
+    # start at its first group (act-order, whose groups cross ranks, is refused under TP)
     group = t["g_idx"].long()
+    group = group - group.min()
     # v1 stores zero - 1 in four bits: a true zero of 0 (stored -1, read 15) cannot be written
     # and reads as 16 here, as in the kernels of other engines that add the one back
     zeros = _unpack(t["qzeros"], 1)[group] + (1 if q.zeros_less_one else 0)

@@ -25,9 +25,11 @@ class QuantizedLinear(nn.Module):
     shard."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool,
-                 quant: QuantConfig, scale_dtype: torch.dtype) -> None:
+                 quant: QuantConfig, scale_dtype: torch.dtype, row_parallel: bool = False
+                 ) -> None:
         super().__init__()
         self.in_features, self.shard_sizes, self.quant = in_features, shard_sizes, quant
+        self.row_parallel = row_parallel  # under TP: its inputs split (o, down), else outputs
         self.out_features = sum(shard_sizes)
         self.specs = [tensor_specs(quant, n, in_features, scale_dtype) for n in shard_sizes]
         for name, spec in self.specs[0].items():
@@ -39,6 +41,13 @@ class QuantizedLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=spec.dtype),
                                                        requires_grad=False))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def tp_dim(self, name: str) -> int | None:
+        """The dimension of tensor `name` (counted from the end: a checkpoint's shard tensor and
+        the parameter agree) that tensor parallelism splits; None: every rank holds all of it."""
+        spec = self.specs[0][name]
+        dim = spec.in_dim if self.row_parallel else spec.out_dim
+        return None if dim is None else dim - len(spec.shape)
 
     def shard_view(self, name: str, shard: int) -> torch.Tensor:
         """Shard `shard`'s part of tensor `name` (what the checkpoint's q_proj.`name` fills)."""
@@ -124,7 +133,7 @@ class QuantizedLinear(nn.Module):
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)
         elif all(torch.equal(self.g_idx[0], g) for g in self.g_idx[1:]):
-            g_idx = self.g_idx[0].contiguous()
+            g_idx = (self.g_idx[0] - self.g_idx[0].min()).contiguous()  # a rank's (formats)
             in_order = torch.equal(g_idx.cpu(), torch.arange(self.in_features,
                                                              dtype=g_idx.dtype) // q.group_size)
             args = dict(fmt=GPTQ if in_order else GPTQ_ACT_ORDER, w=self.qweight,
