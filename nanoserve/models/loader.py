@@ -234,7 +234,8 @@ def _expected_keys(model: CausalLM) -> set[str]:
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights from the config alone, generated on the model's device. Under tensor
     parallelism each rank generates every full (TP=1) parameter in turn and keeps its part:
-    the ranks together hold exactly the TP=1 model of the same seed."""
+    the ranks together hold exactly the TP=1 model of the same seed (quantized layers excepted:
+    each rank fills its own part)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     modules = dict(model.named_modules())
     quantized = {name for name, m in modules.items() if isinstance(m, QuantizedLinear)
