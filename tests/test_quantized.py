@@ -335,3 +335,19 @@ def test_the_shipped_fp8_moe_shape_holds_its_experts_in_one_byte_a_weight():
     # the bench's decode floor reads the 8 routed experts of 128 in one byte a weight
     from bench_offload import weight_bytes
     assert 0.5 < weight_bytes(fp8, 2, 1) / weight_bytes(dense, 2, 1) < 0.56
+
+
+def test_a_non_fused_moe_backend_over_fp8_experts_warns_that_it_dequantizes_them(tmp_path,
+                                                                                 caplog):
+    """Only the fused path reads FP8 experts as they are; choosing another backend says what it
+    costs (every expert dequantized every step), and the model still runs."""
+    make_hf_model("qwen3_moe", tmp_path / "src", seed=4)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp8", "fp8_block", block=(16, 32))
+    model = make_llm(tmp_path / "fp8").engine.runner.model
+    with caplog.at_level("WARNING", logger="nanoserve"):
+        model.set_moe_backend("fused")
+        assert not caplog.records
+        model.set_moe_backend("loop")
+    assert [r.getMessage() for r in caplog.records] == [
+        "MoE backend 'loop': FP8 experts are dequantized every step (all of them, in the "
+        "model's dtype); the fused backend reads them as they are"]

@@ -12,6 +12,8 @@ layer holds its share of the heads and MLP rows, and its shapes and counts (`Att
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -36,6 +38,8 @@ from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
 from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.linear import QuantizedLinear
+
+log = logging.getLogger("nanoserve")
 
 
 class Attention(nn.Module):
@@ -198,9 +202,13 @@ class CausalLM(nn.Module):
         """How the sparse MLP layers run their experts (models/moe.py); no-op without them."""
         if backend not in MOE_BACKENDS:
             raise ValueError(f"unknown MoE backend {backend!r} (one of {MOE_BACKENDS})")
-        for module in self.modules():
-            if isinstance(module, SparseMoE):
-                module.backend = backend
+        sparse = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        if backend not in ("auto", "fused") and any(m.experts.quant for m in sparse):
+            log.warning("MoE backend %r: FP8 experts are dequantized every step (all of them, "
+                        "in the model's dtype); the fused backend reads them as they are",
+                        backend)
+        for module in sparse:
+            module.backend = backend
 
     # The step executor composes a step from these three: embed, layers (each passing the
     # residual stream and its pending MLP output on), head.
