@@ -52,6 +52,7 @@ QUANT_CASES = {
     "qwen3-fp8-channel": ("fp8_channel", {}),
     "qwen3-awq": ("awq", {"group": 16}),
     "qwen3-gptq": ("gptq", {"group": 16}),
+    "qwen2-qkv-bias-awq": ("awq", {"group": 16}),  # a quantized fused layer's biases split too
 }
 EVERY_CASE = [*CASES, *QUANT_CASES]
 ONE_KV_HEAD = "qwen3-one-kv-head"  # refused: 2 ranks cannot split 1 KV head
@@ -75,7 +76,8 @@ def runs(tmp_path_factory):
         jobs.append((name, dirs[name], PROMPTS, dummy, moe_backend))
     for name, (method, options) in QUANT_CASES.items():
         dirs[name] = root / name
-        quantize_checkpoint(dirs["qwen3"], dirs[name], method, **options)
+        source = dirs["qwen2-qkv-bias" if name.startswith("qwen2") else "qwen3"]
+        quantize_checkpoint(source, dirs[name], method, **options)
         jobs.append((name, dirs[name], PROMPTS, False, "auto"))
     make_hf_model("qwen3", root / ONE_KV_HEAD, num_key_value_heads=1)
     jobs.append((ONE_KV_HEAD, root / ONE_KV_HEAD, PROMPTS, False))

@@ -54,8 +54,10 @@ def rank_part(param: str, module: nn.Module, shard_index: int | None, ndim: int
     `shard_index` of a fused projection (a checkpoint's k_proj), or all of it when None (then
     a fused one holds this rank's rows of each shard: its q, k and v heads). None: the whole
     tensor (a replicated parameter, or TP=1)."""
+    if tp_size() == 1:
+        return None
     dim = module_split_dim(param, module)
-    if dim is None or tp_size() == 1:
+    if dim is None:
         return None
     rank, size = tp_rank(), tp_size()
     if isinstance(module, QuantizedLinear):  # a checkpoint's shard tensor, each its own layout

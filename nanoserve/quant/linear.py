@@ -45,6 +45,8 @@ class QuantizedLinear(nn.Module):
     def tp_dim(self, name: str) -> int | None:
         """The dimension of tensor `name` (counted from the end: a checkpoint's shard tensor and
         the parameter agree) that tensor parallelism splits; None: every rank holds all of it."""
+        if name == "bias":  # one per output, as a dense layer's
+            return None if self.row_parallel else -1
         spec = self.specs[0][name]
         dim = spec.in_dim if self.row_parallel else spec.out_dim
         return None if dim is None else dim - len(spec.shape)
