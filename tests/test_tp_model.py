@@ -57,6 +57,9 @@ QUANT_CASES = {
 EVERY_CASE = [*CASES, *QUANT_CASES]
 ONE_KV_HEAD = "qwen3-one-kv-head"  # refused: 2 ranks cannot split 1 KV head
 MISSING_K_PROJ = "qwen3-missing-k-proj"  # refused: a checkpoint without a tensor
+# refused: act-order's g_idx under a config saying desc_act false (a rank's inputs reach groups
+# another rank holds)
+UNDECLARED_ACT_ORDER = "qwen3-gptq-undeclared-act-order"
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,13 @@ def runs(tmp_path_factory):
     missing = _without(dirs["qwen3"], root / MISSING_K_PROJ,
                        "model.layers.1.self_attn.k_proj.weight")
     jobs.append((MISSING_K_PROJ, missing, PROMPTS, False))
+    quantize_checkpoint(dirs["qwen3"], root / UNDECLARED_ACT_ORDER, "gptq", group=16,
+                        act_order=True)
+    cfg_path = root / UNDECLARED_ACT_ORDER / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["quantization_config"]["desc_act"] = False
+    cfg_path.write_text(json.dumps(raw))
+    jobs.append((UNDECLARED_ACT_ORDER, root / UNDECLARED_ACT_ORDER, PROMPTS, False))
 
     out = root / "out"
     out.mkdir()
@@ -113,7 +123,7 @@ def runs(tmp_path_factory):
                           cfg=ModelConfig.from_dir(dirs[name]))
                for name, (dummy, moe_backend) in settings.items()}
     refusals = {name: [(out / f"{name}.{r}.err").read_text() for r in range(TP)]
-                for name in (ONE_KV_HEAD, MISSING_K_PROJ)}
+                for name in (ONE_KV_HEAD, MISSING_K_PROJ, UNDECLARED_ACT_ORDER)}
     return results, refusals
 
 
@@ -168,6 +178,13 @@ def test_each_rank_holds_about_half_of_a_quantized_checkpoints_tensors(runs, cas
     run = runs[0][case]
     for result in run["ranks"]:
         assert 0.5 * run["tp1"]["params"] < result["params"] < 0.6 * run["tp1"]["params"]
+
+
+def test_a_gptq_checkpoint_whose_g_idx_crosses_ranks_is_refused_on_every_rank(runs):
+    for message in runs[1][UNDECLARED_ACT_ORDER]:
+        assert message == ("model.layers.0.self_attn.o_proj: its g_idx reaches groups outside "
+                           "this rank's inputs (an act-order checkpoint whose config says "
+                           "desc_act false?); run it at tensor parallel size 1")
 
 
 def test_tp2_wrong_weights_fail_the_comparison(runs):

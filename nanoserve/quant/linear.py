@@ -51,6 +51,18 @@ class QuantizedLinear(nn.Module):
         dim = spec.in_dim if self.row_parallel else spec.out_dim
         return None if dim is None else dim - len(spec.shape)
 
+    def check_loaded(self, name: str) -> None:
+        """ValueError where this rank's inputs reach groups it does not hold: a GPTQ checkpoint
+        whose g_idx is out of order (act-order) though its config says desc_act false, split
+        by inputs under tensor parallelism."""
+        if self.quant.method != "gptq" or not self.row_parallel:
+            return
+        g = self.g_idx.long()
+        if (g - g.min()).max().item() >= self.scales.shape[0]:
+            raise ValueError(f"{name}: its g_idx reaches groups outside this rank's inputs (an "
+                             f"act-order checkpoint whose config says desc_act false?); run it at "
+                             f"tensor parallel size 1")
+
     def shard_view(self, name: str, shard: int) -> torch.Tensor:
         """Shard `shard`'s part of tensor `name` (what the checkpoint's q_proj.`name` fills)."""
         if name == "bias":
