@@ -219,7 +219,7 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool = True) -> Non
             f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     for name, module in modules.items():
         if isinstance(module, QuantizedLinear):
-            module.check_loaded(name)
+            module.finish_loading(name)
 
 
 def _owner(modules: dict, param: str):

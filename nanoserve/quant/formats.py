@@ -130,10 +130,7 @@ def dequantize(q: QuantConfig, t: dict[str, torch.Tensor], n: int, k: int,
         scales = t["scales"].float().repeat_interleave(g, 0)
         return ((ints - zeros).float() * scales).t().to(dtype)
     ints = _unpack(t["qweight"], 0)  # [k, n]
-    # a rank's inputs under tensor parallelism keep the checkpoint's group numbers, its scales
-    # start at its first group (act-order, whose groups cross ranks, is refused under TP)
-    group = t["g_idx"].long()
-    group = group - group.min()
+    group = t["g_idx"].long()  # numbered from this rank's first group (QuantizedLinear)
     # v1 stores zero - 1 in four bits: a true zero of 0 (stored -1, read 15) cannot be written
     # and reads as 16 here, as in the kernels of other engines that add the one back
     zeros = _unpack(t["qzeros"], 1)[group] + (1 if q.zeros_less_one else 0)

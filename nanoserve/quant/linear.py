@@ -51,14 +51,17 @@ class QuantizedLinear(nn.Module):
         dim = spec.in_dim if self.row_parallel else spec.out_dim
         return None if dim is None else dim - len(spec.shape)
 
-    def check_loaded(self, name: str) -> None:
-        """ValueError where this rank's inputs reach groups it does not hold: a GPTQ checkpoint
-        whose g_idx is out of order (act-order) though its config says desc_act false, split
-        by inputs under tensor parallelism."""
-        if self.quant.method != "gptq" or not self.row_parallel:
+    @torch.no_grad()
+    def finish_loading(self, name: str) -> None:
+        """After the checkpoint's tensors are in: GPTQ's g_idx numbered from this rank's first
+        group (under tensor parallelism a row-parallel rank holds a run of groups, the
+        checkpoint numbers them globally; at TP=1 this changes nothing). ValueError where the
+        rank's inputs reach groups it does not hold: a g_idx out of order (act-order) though
+        the config says desc_act false."""
+        if self.quant.method != "gptq":
             return
-        g = self.g_idx.long()
-        if (g - g.min()).max().item() >= self.scales.shape[0]:
+        self.g_idx -= self.g_idx.min()
+        if self.g_idx.max().item() >= self.scales.shape[0]:
             raise ValueError(f"{name}: its g_idx reaches groups outside this rank's inputs (an "
                              f"act-order checkpoint whose config says desc_act false?); run it at "
                              f"tensor parallel size 1")
@@ -147,7 +150,7 @@ class QuantizedLinear(nn.Module):
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)
         elif all(torch.equal(self.g_idx[0], g) for g in self.g_idx[1:]):
-            g_idx = (self.g_idx[0] - self.g_idx[0].min()).contiguous()  # a rank's (formats)
+            g_idx = self.g_idx[0].contiguous()
             in_order = torch.equal(g_idx.cpu(), torch.arange(self.in_features,
                                                              dtype=g_idx.dtype) // q.group_size)
             args = dict(fmt=GPTQ if in_order else GPTQ_ACT_ORDER, w=self.qweight,
