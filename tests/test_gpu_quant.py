@@ -37,9 +37,10 @@ def source(tmp_path_factory):
 def test_the_quantized_gemm_equals_the_reference_dequantization(source, tmp_path, name):
     """Bound: the kernels' bf16 result within 1% (relative to the largest output) of float64's
     product with the dequantized weight, at rows 1 (the 4-bit GEMV), 7, 16, 64 (decode's
-    tiles) and 300 (prefill's); FP8's of x as the FP8 kernels quantize it
-    (fp8_activations_reference). And the FP8 kernels' x is quantized: their mean error from
-    that reference is under a quarter of their mean error from x's own product."""
+    tiles) and 300 (prefill's); FP8's from WIDE_ROWS rows of x as the FP8 kernels quantize it
+    (fp8_activations_reference), below them of x itself. And the FP8 kernels' x is quantized
+    from WIDE_ROWS rows and not below: their mean error from their reference is under a
+    quarter of their mean error from the other one."""
     from nanoserve.quant import triton_gemm
     method, options = FORMATS[name]
     quantize_checkpoint(source, tmp_path, method, **options)
@@ -52,16 +53,15 @@ def test_the_quantized_gemm_equals_the_reference_dequantization(source, tmp_path
         for rows in (1, 7, 16, 64, 300):
             x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
             got = layer.kernel_forward(x).double()
-            xr = x.double()
+            ref = x.double() @ w.T
             if method.startswith("fp8"):
                 group = triton_gemm.activation_group(layer.in_features, args["scale_cols"])
-                xr = triton_gemm.fp8_activations_reference(x, group).double()
-                plain = x.double() @ w.T
-            ref = xr @ w.T
+                quantized = triton_gemm.fp8_activations_reference(x, group).double() @ w.T
+                ref, other = (quantized, ref) if rows >= triton_gemm.WIDE_ROWS else \
+                    (ref, quantized)
+                assert (got - ref).abs().mean() < 0.25 * (got - other).abs().mean(), (name, rows)
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-2, (name, rows, err)
-            if method.startswith("fp8"):
-                assert (got - ref).abs().mean() < 0.25 * (got - plain).abs().mean(), (name, rows)
 
 
 @pytest.mark.parametrize("name", ["fp8 block 128", "awq"])
@@ -78,15 +78,15 @@ def test_a_quantized_model_on_the_gpu_gives_its_cpu_tokens(source, tmp_path, nam
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
 
 
-@pytest.mark.parametrize("rows", [16, 17, 300])
+@pytest.mark.parametrize("rows", [65, 66, 300])
 @pytest.mark.parametrize("k", [512, 768, 1024])
 @torch.inference_mode()
 def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference(rows, k):
-    """128 x 128 block-scaled FP8 from 16 rows runs cuBLAS's block-scaled GEMM (rows padded to
-    a multiple of 16) where K is a multiple of 512 (cuBLAS reads the scales with a leading
-    dimension rounded up to 4 blocks: at K = 256 or 768 its results are wrong, and the Triton
-    kernel takes them): within 1% of float64's product of the quantized x and the dequantized
-    weight, as the Triton kernel is, for a weight of 640 outputs (5 block rows)."""
+    """128 x 128 block-scaled FP8 from CUBLAS_ROWS (65) rows runs cuBLAS's block-scaled GEMM
+    (rows padded to a multiple of 16) where K is a multiple of 512 (cuBLAS reads the scales
+    with a leading dimension rounded up to 4 blocks: at K = 256 or 768 its results are wrong,
+    and the Triton kernel takes them): within 1% of float64's product of the quantized x and
+    the dequantized weight, as the Triton kernel is, for a weight of 640 outputs."""
     from nanoserve.quant import triton_gemm
     gen = torch.Generator(device="cuda").manual_seed(k + rows)
     n = 640
@@ -97,6 +97,7 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     dense = w.double() * scales.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
     ref = triton_gemm.fp8_activations_reference(x, 128).double() @ dense.T
+    assert triton_gemm.CUBLAS_ROWS == 65
     if torch.cuda.get_device_capability()[0] == 9:  # where cuBLAS's path is measured
         assert triton_gemm.cublas_block_scaled(x.device, k) == (k % 512 == 0)
     for cublas in (True, False):
@@ -105,6 +106,58 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (cublas, rows, k, err)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])
+@torch.inference_mode()
+def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_graphs(fmt):
+    """Decode's K split over programs (_store_split): the split result equals the unsplit
+    kernel's within float32 reordering (1e-3 of the largest output, bf16 output), is the same
+    bit for bit on every run (the parts are summed in order, whichever finishes last), leaves
+    the per-tile counters at zero, and a CUDA graph of it replayed on new rows gives what an
+    eager call gives on them. A weight of 4096 x 2048, rows 1 and 5 (FP8)."""
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    n, k = 4096, 2048
+    if fmt.startswith("fp8"):
+        args = dict(fmt=tg.FP8, w=(torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(
+            -448, 448).to(torch.float8_e4m3fn), scales=torch.rand(
+            n // 128, k // 128, device="cuda", generator=gen) * 1e-3 + 1e-4,
+            scale_row=(torch.arange(n, device="cuda") // 128).to(torch.int32), scale_cols=128)
+        quantize = fmt.endswith("quantized")
+
+        def call(x, split):
+            return tg._fp8_gemm(x, args["w"], args["scales"], args["scale_row"], 128, n, False,
+                                tg.QuantTiles(16, 32, 128, 4, 3, split), quantize)
+    else:
+        fmt_id = tg.AWQ if fmt == "awq" else tg.GPTQ
+        shape = (k, n // 8) if fmt == "awq" else (k // 8, n)
+        args = dict(w=torch.randint(-2**31, 2**31 - 1, shape, device="cuda", generator=gen,
+                                    dtype=torch.int32),
+                    zeros=torch.randint(-2**31, 2**31 - 1, (k // 128, n // 8), device="cuda",
+                                        generator=gen, dtype=torch.int32),
+                    scales=torch.rand(k // 128, n, device="cuda", generator=gen).half() * 1e-2)
+
+        def call(x, split):
+            return tg.quant_gemm(x, fmt_id, n=n, group=128, tiles=tg.QuantTiles(
+                1, 64, 64, 4, 3, split), **args)
+    for rows in (1, 5) if fmt.startswith("fp8") else (1,):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        whole = call(x, 1).float()
+        split = call(x, 8)
+        assert torch.equal(split, call(x, 8))
+        err = ((split.float() - whole).abs().max() / whole.abs().max()).item()
+        assert err < 1e-3, (fmt, rows, err)
+        assert not tg._COUNTERS[x.device].any()
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(static, 8)
+        for _ in range(2):
+            static.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+            graph.replay()
+            assert torch.equal(out, call(static, 8)), (fmt, rows)
+        assert not tg._COUNTERS[x.device].any()
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -74,22 +74,36 @@ def weights(fmt: str, n: int, k: int) -> tuple[dict, int]:
     return args, w.numel() * 4 + scales.numel() * 2 + zeros.numel() * 4
 
 
-def candidates(rows: int, fmt: int) -> list[tg.QuantTiles]:
-    """Tiles to try (FP8's K step is fixed: it is its activation group)."""
-    base = tg.tiles_for(rows, 4096, fmt)
-    if rows == 1 and fmt in (tg.AWQ, tg.GPTQ):
-        return [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in
-                itertools.product((1, 2, 4, 8), (32, 64, 128), (32, 64, 128)) if bn * bk <= 8192]
-    if rows <= tg.SKINNY_ROWS and fmt == tg.FP8:
-        return [base._replace(block_n=bn, num_stages=s, split_k=split)
-                for split, bn, s in itertools.product((1, 2, 4, 8), (16, 32, 64), (3, 4, 6))]
-    if rows <= tg.SKINNY_ROWS:
-        return [base._replace(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-                for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6))
-                if fmt != tg.FP8 or bk == 128]
-    return [tg.QuantTiles(*t) for t in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                                        (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-                                        (128, 128, 64, 4, 4), (256, 128, 64, 8, 3))]
+def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
+    """(label, call(x, args, n)) for each kernel and tiles to try: FP8 with x quantized (its K
+    step is fixed: its activation group) and with the weight widened instead (x as it is); the
+    4-bit formats through the GEMV (one row) and the GEMM."""
+    def gemm(t):
+        return lambda x, a, n: tg.quant_gemm(x, n=n, tiles=t, **a)
+
+    def fp8(t, quantize_x):
+        return lambda x, a, n: tg._fp8_gemm(x, a["w"], a["scales"], a["scale_row"],
+                                            a["scale_cols"], n, False, t, quantize_x)
+
+    out = []
+    block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
+    if fmt == tg.FP8 and rows <= tg.SKINNY_ROWS:
+        for quant, split, bn, s in itertools.product((True, False), (1, 2, 4, 8), (16, 32, 64),
+                                                     (3, 4, 6)):
+            t = tg.QuantTiles(block_m, bn, 128, 4, s, split)
+            out.append((f"{'xq' if quant else 'wide'} {tuple(t)}", fp8(t, quant)))
+        return out
+    if rows == 1 and fmt != tg.FP8:
+        tiles = [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in
+                 itertools.product((1, 2, 4, 8), (32, 64, 128), (32, 64, 128)) if bn * bk <= 8192]
+    elif rows <= tg.SKINNY_ROWS and fmt != tg.FP8:
+        tiles = [tg.QuantTiles(block_m, bn, bk, w, s) for bn, bk, w, s in
+                 itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6))]
+    else:
+        tiles = [tg.QuantTiles(*t) for t in (
+            (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+            (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3))]
+    return [(str(tuple(t)), gemm(t)) for t in tiles]
 
 
 def main() -> None:
@@ -112,28 +126,36 @@ def main() -> None:
         bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         floor = nbytes / rate / 1e3
         cublas = graph_time_us([lambda x=x, b=bf16: F.linear(x, b)] * 8)
-        tiles = [None] + (candidates(rows, one["fmt"]) if args.tune else [])
+        tries = [("default", lambda x, a, n: tg.quant_gemm(x, n=n, **a))] + \
+            (candidates(rows, one["fmt"]) if args.tune else [])
         if fmt == "fp8" and rows >= tg.CUBLAS_ROWS:
             us = graph_time_us([lambda a=a, x=x, n=n: tg.quant_gemm(x, n=n, cublas_blocks=True,
                                                                    **a) for a in copies])
             print(f"  FP8 through cuBLAS's block-scaled GEMM (x quantized first): {us:.1f} us",
                   flush=True)
         results = []
-        for t in tiles:
+        ref = tries[0][1](x, one, n).float()
+        for label, call in tries:
             try:
-                us = graph_time_us([lambda a=a, x=x, n=n, t=t: tg.quant_gemm(x, n=n, tiles=t, **a)
-                                    for a in copies])
+                err = ((call(x, one, n).float() - ref).abs().max() / ref.abs().max()).item()
+                if not err < 0.05:  # the default's x quantized or not, rounding apart
+                    print(f"  {label}: WRONG, error {err:.2e} of the default's largest output")
+                    continue
+                us = graph_time_us([lambda a=a, x=x, n=n, c=call: c(x, a, n) for a in copies])
             except Exception as e:  # a candidate the compiler refuses (shared memory)
-                print(f"  {t}: {type(e).__name__}", flush=True)
+                print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
-            results.append((us, t))
-        best_us, best = min(results, key=lambda r: r[0])
+            results.append((us, label))
+        ranked = sorted(results[1:])
+        if args.tune:
+            print("  fastest: " + "; ".join(f"{label} {us:.1f}" for us, label in ranked[:4]))
+        best_us, best = min(results)
         default_us = results[0][0]
         tflops = 2 * rows * n * k / default_us / 1e6
         print(f"{fmt:5s} rows {rows:5d} {name:8s} floor {floor:7.1f} us | default "
               f"{default_us:7.1f} us ({default_us / floor:.2f}x, {tflops:.0f} TFLOP/s) | "
               f"cuBLAS bf16 {cublas:7.1f} us ({default_us / cublas:.2f}x)"
-              + (f" | best {best_us:7.1f} us {tuple(best)}" if best else ""), flush=True)
+              + (f" | best {best_us:7.1f} us {best}" if args.tune else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -110,16 +110,25 @@ def cases():
 
 
 def quant_cases():
-    """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with x quantized in the kernel
-    (16 rows), before it (128 rows) and float32 x; the 4-bit formats' GEMV (one row) and GEMM
-    (16 rows; GPTQ with act-order too)."""
-    from nanoserve.quant.triton_gemm import AWQ, FP8, GPTQ, GPTQ_ACT_ORDER, quant_gemm
+    """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with the weight widened (one
+    row), x quantized (16 and 128 rows) and float32 x, K split and not; the 4-bit formats'
+    GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
+    from nanoserve.quant.triton_gemm import (
+        AWQ,
+        FP8,
+        GPTQ,
+        GPTQ_ACT_ORDER,
+        QuantTiles,
+        _fp8_gemm,
+        quant_gemm,
+    )
 
     n = k = 4096
     fp8 = dict(fmt=FP8, w=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
                scales=torch.ones(n // 128, k // 128), scale_row=torch.zeros(n, dtype=torch.int32),
                scale_cols=128, n=n)
-    for rows, dtype in ((16, torch.bfloat16), (128, torch.bfloat16), (16, torch.float32)):
+    for rows, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (128, torch.bfloat16),
+                        (16, torch.float32)):
         yield f"quantized GEMM, FP8 block-wise, {rows} rows {dtype}", lambda r=rows, d=dtype: \
             quant_gemm(torch.zeros(r, k, dtype=d), **fp8)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
@@ -132,6 +141,10 @@ def quant_cases():
     for (name, args), rows in itertools.product(formats.items(), (1, 16)):
         yield f"quantized GEMM, {name}, {rows} rows", lambda a=args, r=rows: quant_gemm(
             torch.zeros(r, k, dtype=torch.bfloat16), **a, **int4)
+    for split in (1, 4):
+        yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
+            torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
+            fp8["scale_row"], 128, n, False, QuantTiles(16, 64, 128, 4, 4, s), False)
 
 
 def moe_cases():

@@ -6,6 +6,7 @@
 #                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -174,15 +175,15 @@ for w in $what; do
       run python3 tools/bench_quant.py ${QUANT_ARGS:---rows 1,16,64,4096} 2>&1 | tee "$OUT/bench_quant.log" ;;
     quantmodels)  # issue 36's targets: Qwen3-8B bf16, FP8 and AWQ at 32K, batch 1; FP8 64 x 512;
                   # Qwen3-30B-A3B bf16 and FP8 at 4K (about 9 minutes on an H100: STEP_TIMEOUT)
-      for m in Qwen3-8B Qwen3-8B-FP8 Qwen3-8B-AWQ; do
+      for m in ${QUANT_MODELS-Qwen3-8B Qwen3-8B-FP8 Qwen3-8B-AWQ}; do
         run python3 bench_offload.py --model $m --input-len 32768 --output-len 32 \
           --resident-graph --out "$OUT/quant_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
       done
-      for m in Qwen3-8B Qwen3-8B-FP8; do
+      for m in ${QUANT_BATCH_MODELS-Qwen3-8B Qwen3-8B-FP8}; do
         run python3 bench_offload.py --model $m --input-len 512 --batch-size 64 --output-len 64 \
           --resident-graph --out "$OUT/quant64_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
       done
-      for m in Qwen3-30B-A3B Qwen3-30B-A3B-FP8; do  # FP8 experts through the fused MoE path
+      for m in ${QUANT_MOE_MODELS-Qwen3-30B-A3B Qwen3-30B-A3B-FP8}; do  # FP8 experts through the fused MoE path
         run python3 bench_offload.py --model $m --input-len 4096 --output-len 64 \
           --resident-graph --out "$OUT/quantmoe_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
       done ;;

@@ -40,8 +40,10 @@ SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's sche
 FP8_GROUP = 128  # inputs an activation scale covers (the checkpoints' weight blocks' width)
 INT4_MAX_ROWS = 1024  # more rows: dequantized once, then cuBLAS (the 4-bit GEMM's tiles run at
 # a fifth of cuBLAS's bf16 rate; tools/bench_quant.py at 4096 rows)
-CUBLAS_ROWS = 16  # FP8 128 x 128 blocks from this many rows: cuBLAS (none below: one row is
-# refused, and the Triton kernel matches it at 16-64; tools/bench_quant.py)
+WIDE_ROWS = 16  # FP8 below this many rows: x not quantized, the weight widened to x's dtype
+# in the kernel (the quantization pass cost as much as it saved; tools/bench_quant.py --tune)
+CUBLAS_ROWS = SKINNY_ROWS + 1  # FP8 128 x 128 blocks from this many rows: cuBLAS (at 16-64
+# rows the Triton kernel was as fast or faster; tools/bench_quant.py --tune)
 
 
 class QuantTiles(NamedTuple):
@@ -53,14 +55,17 @@ class QuantTiles(NamedTuple):
     split_k: int = 1  # decode: programs a column tile's K is split over (float32 atomic adds)
 
 
-def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
+def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
     """Tiles by rows and format: one row of a 4-bit weight (the GEMV), decode's few rows (a
-    row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's) and prefill's many.
-    block_k is the largest the format allows up to this."""
-    if m == 1 and fmt in (AWQ, GPTQ):  # an H100, Qwen3-8B's shapes (tools/bench_quant.py)
+    row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's, K split so that
+    about 512 programs run) and prefill's many. block_k is the largest the format allows up
+    to this. On an H100, Qwen3-8B's shapes (tools/bench_quant.py --tune)."""
+    if m == 1 and fmt in (AWQ, GPTQ):
         return QuantTiles(1, 64, 64, 4, 3, 8) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
-    if m <= SKINNY_ROWS:  # FP8 at 1-64 rows on an H100 (tools/bench_quant.py --tune)
+    if m <= SKINNY_ROWS:
         block_m = max(16, triton.next_power_of_2(m))
+        if fmt == FP8 and not fp8_x:
+            return QuantTiles(block_m, 32, 128, 4, 3, max(1, min(4, 512 // (n // 32))))
         if fmt == FP8:
             return QuantTiles(block_m, 64, 128, 4, 3, 4) if n <= 8192 else \
                 QuantTiles(block_m, 64, 128, 4, 4)
@@ -69,14 +74,34 @@ def tiles_for(m: int, n: int, fmt: int = FP8) -> QuantTiles:
 
 
 @triton.jit
-def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stride_xs,
-                     stride_ym, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
+def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl.constexpr):
+    # Program pid_k's part of output tile `tile` (offsets `offs` into Y [M, N], contiguous),
+    # its K split over SPLIT_K programs. SPLIT_K 1: stored. Else each part goes to
+    # Partials[pid_k] and the tile's last program to finish sums them in order (the result
+    # does not depend on which finished last) into Y, then puts the tile's counter back to 0:
+    # the counters are zero between launches, so no kernel zeroes Y or converts it after.
+    if SPLIT_K == 1:
+        tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Partials + tl.program_id(2) * size + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part stored before the count says so (release)
+        if tl.atomic_add(Counters + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.load(Partials + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for part in tl.static_range(1, SPLIT_K):
+                total += tl.load(Partials + part * size + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(Counters + tile, 0, sem="relaxed")
+
+
+@triton.jit
+def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
+                     stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
                      SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
-    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or float32 (w widened).
-    # Program (m, n, s) takes the s-th of SPLIT_K parts of K (SPLIT_K > 1: float32 Y, added
-    # into atomically)
+    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or as it is, w widened
+    # to its dtype. Program (m, n, s) takes the s-th of SPLIT_K parts of K (_store_split)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_start = pid_k * (K // SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,7 +120,8 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
             x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok, other=0.0)
             part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
         else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+            part = tl.dot(x, tl.trans(w.to(x.dtype)),
+                          input_precision="ieee" if x.dtype == tl.float32 else None)
         if SCALE_ONCE:
             acc += part
         else:
@@ -104,11 +130,9 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, M, N, K, stride_xm, stri
         w_at += BLOCK_K
     if SCALE_ONCE:
         acc *= tl.load(Scales + row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_at = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K > 1:
-        tl.atomic_add(y_at, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
-    else:
-        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_split(acc, offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
+                 m_ok[:, None] & n_ok[None, :], Y, Partials, Counters,
+                 pid_m * tl.num_programs(1) + pid_n, M * N, SPLIT_K)
 
 
 @triton.jit
@@ -185,13 +209,13 @@ def _int4_gemm_kernel(X, W, Scales, Zeros, GIdx, Y, M, N, K, stride_xm, stride_y
 
 
 @triton.jit
-def _int4_gemv_kernel(X, W, Scales, Zeros, Y, N, K, stride_w, stride_s, stride_z, group,
-                      zero_offset, FORMAT: tl.constexpr, SPLIT_K: tl.constexpr,
+def _int4_gemv_kernel(X, W, Scales, Zeros, Y, Partials, Counters, N, K, stride_w, stride_s,
+                      stride_z, group, zero_offset, FORMAT: tl.constexpr, SPLIT_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one row x [K]. Program (n, s) owns BLOCK_N outputs over the s-th of SPLIT_K parts of K
-    # (SPLIT_K > 1: float32 Y, added into atomically). Products accumulate element by element
-    # and are summed over K once, at the end; a step (BLOCK_K inputs) lies within one group
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    # one row x [K]. Program (n, 0, s) owns BLOCK_N outputs over the s-th of SPLIT_K parts of
+    # K (_store_split). Products accumulate element by element and are summed over K once, at
+    # the end; a step (BLOCK_K inputs) lies within one group
+    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
     j = tl.arange(0, 8)
     MAGIC: tl.constexpr = 0x4B000000  # float32 2^23: its bit pattern plus q is 2^23 + q
     k_start = pid_k * (K // SPLIT_K)
@@ -232,15 +256,11 @@ def _int4_gemv_kernel(X, W, Scales, Zeros, Y, N, K, stride_w, stride_s, stride_z
             acc += x[:, :, None] * ((q - z[None, None, :]) * s[None, None, :])
             w_at += (BLOCK_K // 8) * stride_w
     if FORMAT == 1:
-        out = tl.sum(acc, axis=0)
-        at, ok = Y + cols, w_ok[:, None]
+        _store_split(tl.sum(acc, axis=0), cols, w_ok[:, None], Y, Partials, Counters, pid_n, N,
+                     SPLIT_K)
     else:
-        out = tl.sum(tl.sum(acc, axis=0), axis=0)
-        at, ok = Y + offs_n, n_ok
-    if SPLIT_K > 1:
-        tl.atomic_add(at, out, mask=ok, sem="relaxed")
-    else:
-        tl.store(at, out.to(Y.dtype.element_ty), mask=ok)
+        _store_split(tl.sum(tl.sum(acc, axis=0), axis=0), offs_n, n_ok, Y, Partials, Counters,
+                     pid_n, N, SPLIT_K)
 
 
 def step_limit(fmt: int, scale_cols: int, group: int) -> int:
@@ -345,12 +365,12 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if gemv:
         split = tiles.split_k if k % (tiles.split_k * block_k) == 0 else 1
-        out = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else y
-        _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
-            x, w, scales, zeros, out, n, k, w.stride(0), scales.stride(0), zeros.stride(0),
-            group, zero_offset, FORMAT=fmt, SPLIT_K=split, BLOCK_N=tiles.block_n,
-            BLOCK_K=block_k, **launch)
-        return out.to(x.dtype) if split > 1 else y
+        grid = (triton.cdiv(n, tiles.block_n), 1, split)
+        _int4_gemv_kernel[grid](
+            x, w, scales, zeros, y, *split_buffers(y, split, grid), n, k, w.stride(0),
+            scales.stride(0), zeros.stride(0), group, zero_offset, FORMAT=fmt, SPLIT_K=split,
+            BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
+        return y
     g_idx = scales if g_idx is None else g_idx
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _int4_gemm_kernel[grid](
@@ -363,12 +383,14 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
 
 def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
-              tiles: QuantTiles | None) -> torch.Tensor:
+              tiles: QuantTiles | None, quantize_x: bool | None = None) -> torch.Tensor:
     m, k = x.shape
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    fp8_x = dtype != torch.float32
+    if quantize_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
+        quantize_x = dtype != torch.float32 and m >= WIDE_ROWS
+    fp8_x = quantize_x
     x_scale = scales
     if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
         # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
@@ -377,16 +399,35 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                                 out_dtype=dtype)[:m]
     if fp8_x:
         x, x_scale = quantize_activations(x, block_k)
-    tiles = tiles or tiles_for(m, n, FP8)
-    # float32 (references, tests) unsplit: atomic adds land in no fixed order
-    split = tiles.split_k if fp8_x and (k // block_k) % tiles.split_k == 0 else 1
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else \
-        torch.empty(m, n, dtype=dtype, device=x.device)
+    tiles = tiles or tiles_for(m, n, FP8, fp8_x)
+    split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
+    y = torch.empty(m, n, dtype=dtype, device=x.device)
     scale_row = scales if scale_row is None else scale_row
-    _fp8_gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)](
-        x, x_scale, w, scales, scale_row, y, m, n, k, x.stride(0), x_scale.stride(1),
-        y.stride(0), w.stride(0), scales.stride(0), scale_cols, FP8_X=fp8_x,
-        SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=tiles.block_m,
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
+    _fp8_gemm_kernel[grid](
+        x, x_scale, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
+        x.stride(0), x_scale.stride(1), w.stride(0), scales.stride(0), scale_cols,
+        FP8_X=fp8_x, SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
-    return y.to(dtype) if split > 1 else y
+    return y
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_buffers(y: torch.Tensor, split: int, grid: tuple[int, int, int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_store_split's float32 parts (split x y's size, left unset) and its per-tile counters:
+    one zeroed tensor a device, made at the first split launch (the eager warm-up, before any
+    graph capture) and kept zero by the kernels. Invariant: kernels sharing it never run
+    concurrently (they run on the model's one compute stream)."""
+    if split == 1:
+        return y, y
+    tiles = grid[0] * grid[1]
+    counters = _COUNTERS.get(y.device)
+    if counters is None or counters.numel() < tiles:
+        assert not (y.is_cuda and torch.cuda.is_current_stream_capturing()), "made in a capture"
+        counters = _COUNTERS[y.device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
+                                                     device=y.device)
+    return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), counters
