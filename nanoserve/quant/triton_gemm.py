@@ -67,7 +67,9 @@ def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
         if fmt == FP8 and not fp8_x:
             return QuantTiles(block_m, 32, 128, 4, 3, max(1, min(4, 512 // (n // 32))))
         if fmt == FP8:
-            return QuantTiles(block_m, 64, 128, 4, 3, 4) if n <= 8192 else \
+            if n <= 4096:
+                return QuantTiles(block_m, 64, 128, 4, 3, 4)
+            return QuantTiles(block_m, 32, 128, 4, 3, 2) if n <= 8192 else \
                 QuantTiles(block_m, 64, 128, 4, 4)
         return QuantTiles(block_m, 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
