@@ -60,8 +60,7 @@ def weights(fmt: str, n: int, k: int) -> tuple[dict, int]:
         w = (torch.randn(n, k, device=dev) * 0.1).to(torch.float8_e4m3fn)
         scales = torch.rand(n // 128, k // 128, device=dev) + 0.5
         rows = (torch.arange(n, device=dev) // 128).to(torch.int32)
-        args = dict(fmt=tg.FP8, w=w, scales=scales, scale_row=rows, scale_cols=128,
-                    row_block=128)
+        args = dict(fmt=tg.FP8, w=w, scales=scales, scale_row=rows, scale_cols=128)
         return args, w.numel() + scales.numel() * 4
     groups = k // 128
     scales = torch.rand(groups, n, device=dev, dtype=torch.float16) * 0.01
@@ -84,18 +83,16 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
 
     def fp8(t, quantize_x):
         return lambda x, a, n: tg._fp8_gemm(x, a["w"], a["scales"], a["scale_row"],
-                                            a["scale_cols"], n, False, t, quantize_x,
-                                            a["row_block"])
+                                            a["scale_cols"], n, False, t, quantize_x)
 
+    out = []
     block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
-    if fmt == tg.FP8 and rows < tg.WIDE_ROWS:
-        return [(f"wide {tuple(t)}", fp8(t, False)) for t in (
-            tg.QuantTiles(block_m, bn, bk, 4, s, split) for split, bn, bk, s in
-            itertools.product((1, 2, 4), (32, 64), (256, 512), (3, 4, 6)))]
     if fmt == tg.FP8 and rows <= tg.SKINNY_ROWS:
-        return [(f"xq {tuple(t)}", fp8(t, True)) for t in (
-            tg.QuantTiles(block_m, bn, 128, 4, s, split) for split, bn, s in
-            itertools.product((1, 2, 4, 8), (16, 32, 64), (3, 4, 6)))]
+        for quant, split, bn, s in itertools.product((True, False), (1, 2, 4, 8), (16, 32, 64),
+                                                     (3, 4, 6)):
+            t = tg.QuantTiles(block_m, bn, 128, 4, s, split)
+            out.append((f"{'xq' if quant else 'wide'} {tuple(t)}", fp8(t, quant)))
+        return out
     if rows == 1 and fmt != tg.FP8:
         tiles = [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in
                  itertools.product((1, 2, 4, 8), (32, 64, 128), (32, 64, 128)) if bn * bk <= 8192]

@@ -126,7 +126,7 @@ def quant_cases():
     n = k = 4096
     fp8 = dict(fmt=FP8, w=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
                scales=torch.ones(n // 128, k // 128), scale_row=torch.zeros(n, dtype=torch.int32),
-               scale_cols=128, n=n, row_block=128)
+               scale_cols=128, n=n)
     for rows, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (128, torch.bfloat16),
                         (16, torch.float32)):
         yield f"quantized GEMM, FP8 block-wise, {rows} rows {dtype}", lambda r=rows, d=dtype: \
@@ -141,9 +141,6 @@ def quant_cases():
     for (name, args), rows in itertools.product(formats.items(), (1, 16)):
         yield f"quantized GEMM, {name}, {rows} rows", lambda a=args, r=rows: quant_gemm(
             torch.zeros(r, k, dtype=torch.bfloat16), **a, **int4)
-    yield "quantized GEMM, FP8 per channel, 1 row", lambda: quant_gemm(
-        torch.zeros(1, k, dtype=torch.bfloat16), FP8, fp8["w"], torch.ones(n, 1), n,
-        scale_row=torch.arange(n, dtype=torch.int32))
     for split in (1, 4):
         yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
             torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],

@@ -145,9 +145,7 @@ class QuantizedLinear(nn.Module):
                         scale_row=torch.cat(rows).to(device, torch.int32),
                         scale_cols=q.block[1] if q.method == "fp8_block" else 1 << 30,
                         cublas_blocks=q.method == "fp8_block" and tuple(q.block) == (128, 128)
-                        and all(n % 128 == 0 for n in self.shard_sizes),
-                        row_block=q.block[0] if q.method == "fp8_block" and all(
-                            n % q.block[0] == 0 for n in self.shard_sizes) else 1)
+                        and all(n % 128 == 0 for n in self.shard_sizes))
         elif q.method == "awq":
             args = dict(fmt=AWQ, w=self.qweight, zeros=self.qzeros, scales=self.scales,
                         group=q.group_size)

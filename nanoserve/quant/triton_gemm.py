@@ -75,14 +75,6 @@ def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
 
 
-def skinny_tiles(m: int, n: int) -> QuantTiles:
-    """_fp8_skinny_kernel's tiles below WIDE_ROWS rows: the bf16 skinny matmul's 32 outputs a
-    program, 512 e4m3 inputs a step (16 KB, as its 256 bf16), K split to about 256 programs
-    (tools/bench_quant.py --tune)."""
-    return QuantTiles(max(16, triton.next_power_of_2(m)), 32, 512, 4, 4,
-                      max(1, min(4, 256 // max(1, n // 32))))
-
-
 @triton.jit
 def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl.constexpr):
     # Program pid_k's part of output tile `tile` (offsets `offs` into Y [M, N], contiguous),
@@ -143,43 +135,6 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     _store_split(acc, offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
                  m_ok[:, None] & n_ok[None, :], Y, Partials, Counters,
                  pid_m * tl.num_programs(1) + pid_n, M * N, SPLIT_K)
-
-
-@triton.jit
-def _fp8_skinny_kernel(X, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K, stride_xm,
-                       stride_w, stride_s, scale_cols, SCALE_ONCE: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    # decode's few bf16 / fp16 rows as they are, the e4m3 weight widened to their dtype: the
-    # bf16 skinny matmul's schedule (models/triton_linear.py) on a weight of half the bytes.
-    # A step may cross weight scale blocks: the tile's outputs share one row of scales (the
-    # caller checks), so each input's scale multiplies x, not the product (per channel / per
-    # tensor, SCALE_ONCE: the outputs' scales multiply the sum once). Program (0, n, s): the
-    # s-th of SPLIT_K parts of K (_store_split)
-    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
-    k_start = pid_k * (K // SPLIT_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    x_at = X + offs_m[:, None] * stride_xm + k_start + offs_k[None, :]
-    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
-    row = tl.load(ScaleRow + pid_n * BLOCK_N).to(tl.int64) * stride_s
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):  # (K / SPLIT_K) % BLOCK_K == 0
-        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
-        if not SCALE_ONCE:
-            s = tl.load(Scales + row + (k0 + offs_k) // scale_cols)
-            x = (x.to(tl.float32) * s[None, :]).to(x.dtype)
-        w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        x_at += BLOCK_K
-        w_at += BLOCK_K
-    if SCALE_ONCE:
-        rows = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
-        acc *= tl.load(Scales + rows, mask=n_ok, other=0.0)[None, :]
-    _store_split(acc, offs_m[:, None] * N + offs_n[None, :], m_ok[:, None] & n_ok[None, :], Y,
-                 Partials, Counters, pid_n, M * N, SPLIT_K)
 
 
 @triton.jit
@@ -390,22 +345,19 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
                group: int = 128, zero_offset: int = 0, cublas_blocks: bool = False,
-               row_block: int = 1, tiles: QuantTiles | None = None) -> torch.Tensor:
+               tiles: QuantTiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
     each output's row of it; bf16 / fp16 x quantized per `activation_group` inputs; with
     `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block; K at least 512: at
     256 cuBLAS's results are wrong, tools/probes/scaled_mm_blockwise.py --small) CUBLAS_ROWS
-    rows or more run cuBLAS's block-scaled FP8 GEMM; `row_block`: the outputs (aligned runs
-    of them) that share a row of scales, where decode's rows take a step across scale blocks.
-    AWQ: w [K, n / 8], zeros [K / group, n / 8],
+    rows or more run cuBLAS's block-scaled FP8 GEMM. AWQ: w [K, n / 8], zeros [K / group, n / 8],
     scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8] (each plus zero_offset),
     scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's group. See `supports`."""
     x = x.contiguous()
     m, k = x.shape
     if fmt == FP8:
-        return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles,
-                         row_block=row_block)
+        return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
     gemv = m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32
     tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt)
     block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
@@ -433,30 +385,13 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
 
 def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
-              tiles: QuantTiles | None, quantize_x: bool | None = None,
-              row_block: int = 1) -> torch.Tensor:
+              tiles: QuantTiles | None, quantize_x: bool | None = None) -> torch.Tensor:
     m, k = x.shape
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
     if quantize_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
         quantize_x = dtype != torch.float32 and m >= WIDE_ROWS
-    scale_row = scales if scale_row is None else scale_row
-    if not quantize_x and dtype != torch.float32:
-        skinny = tiles or skinny_tiles(m, n)
-        split = skinny.split_k if k % (skinny.split_k * skinny.block_k) == 0 else 1
-        step = block_k_for(k // split, 1 << 30, skinny.block_k, least=32)
-        if step is not None and (scale_cols >= k or row_block % skinny.block_n == 0):
-            skinny = skinny._replace(block_k=step)
-            y = torch.empty(m, n, dtype=dtype, device=x.device)
-            grid = (1, triton.cdiv(n, skinny.block_n), split)
-            _fp8_skinny_kernel[grid](
-                x, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
-                x.stride(0), w.stride(0), scales.stride(0), scale_cols,
-                SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=skinny.block_m,
-                BLOCK_N=skinny.block_n, BLOCK_K=skinny.block_k, num_warps=skinny.num_warps,
-                num_stages=skinny.num_stages)
-            return y
     fp8_x = quantize_x
     x_scale = scales
     if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
@@ -469,6 +404,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     tiles = tiles or tiles_for(m, n, FP8, fp8_x)
     split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
     y = torch.empty(m, n, dtype=dtype, device=x.device)
+    scale_row = scales if scale_row is None else scale_row
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     _fp8_gemm_kernel[grid](
         x, x_scale, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
