@@ -221,6 +221,27 @@ def test_the_shipped_quantized_shapes_count_their_quantized_bytes(name):
     assert model_bytes(cfg, torch.bfloat16, 0, tp=1) == layers * per_layer + dense
 
 
+def test_a_quantized_models_bytes_are_counted_at_the_tp_size_asked_not_the_processs():
+    """model_bytes(tp=...) of a quantized model (counted from a meta build) is one rank's bytes
+    at that TP size, whatever this process's TP size is: at TP=2 the quantized layers and the
+    vocabulary-parallel embedding and lm_head are halved, the norms whole; and TP=1's count
+    taken inside a TP=2 process (the bench's rank 0, whose floors divide by TP afterwards)
+    equals it taken outside."""
+    from nanoserve.distributed.parallel_state import sized_as, tp_size
+    from nanoserve.models.loader import SHIPPED_CONFIGS
+    cfg = ModelConfig.from_dir(SHIPPED_CONFIGS / "Qwen3-8B-FP8")
+    h, vocab, layers = 4096, 151936, 36
+    whole = model_bytes(cfg, torch.bfloat16, 0, tp=1)
+    norms = 2 * (layers * (2 * h + 2 * 128) + h)
+    embeddings = 2 * 2 * vocab * h
+    assert model_bytes(cfg, torch.bfloat16, 0, tp=2) == \
+        (whole - norms - embeddings) // 2 + embeddings // 2 + norms
+    with sized_as(2):
+        assert tp_size() == 2
+        assert model_bytes(cfg, torch.bfloat16, 0, tp=1) == whole
+    assert tp_size() == 1
+
+
 @pytest.mark.parametrize("method, options", [("fp8_block", {}), ("awq", {"group": 128}),
                                              ("gptq", {"group": 64, "act_order": True})])
 def test_the_embedded_model_quantized_still_finds_the_needle(tmp_path, method, options):

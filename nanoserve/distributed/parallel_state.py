@@ -10,8 +10,10 @@ outputs with `all_reduce`, inside the decode graphs too (NCCL calls capture into
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,19 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _size
+
+
+@contextlib.contextmanager
+def sized_as(size: int) -> Iterator[None]:
+    """Layers built inside size themselves as rank 0 of `size` ranks would (a model built on
+    the meta device to count its bytes); no collective may run inside."""
+    global _rank, _size
+    saved = _rank, _size
+    _rank, _size = 0, size
+    try:
+        yield
+    finally:
+        _rank, _size = saved
 
 
 def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> None:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from nanoserve.distributed.parallel_state import tp_size
+from nanoserve.distributed.parallel_state import sized_as, tp_size
 from nanoserve.models.checkpoint import checkpoint_target, covered, destination, pieces
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
@@ -114,11 +114,10 @@ def model_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int = 0,
     this process's TP size): its weights in `dtype` plus the fp32 RoPE table of `max_len`."""
     tp = tp_size() if tp is None else tp
     rope = max_len * cfg.head_dim * 4
-    # the quantized tensors' own bytes, built as this process builds them (one rank's at its
-    # TP size, whatever `tp` says)
-    if cfg.quantization is not None:
-        return sum(p.numel() * p.element_size()
-                   for p in build_model(cfg, 0, dtype, torch.device("meta")).parameters()) + rope
+    if cfg.quantization is not None:  # the quantized tensors' own bytes, as a rank builds them
+        with sized_as(tp):
+            model = build_model(cfg, 0, dtype, torch.device("meta"))
+        return sum(p.numel() * p.element_size() for p in model.parameters()) + rope
     return num_model_params(cfg, tp) * dtype.itemsize + rope
 
 
