@@ -115,7 +115,8 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
     kernel's within float32 reordering (1e-3 of the largest output, bf16 output), is the same
     bit for bit on every run (the parts are summed in order, whichever finishes last), leaves
     the per-tile counters at zero, and a CUDA graph of it replayed on new rows gives what an
-    eager call gives on them. A weight of 4096 x 2048, rows 1 and 5 (FP8)."""
+    eager call gives on them. A weight of 4096 x 2048, rows 1 and 5 (FP8, AWQ: its GEMV and
+    its tensor-core kernel), 1 (GPTQ's GEMV)."""
     from nanoserve.quant import triton_gemm as tg
     gen = torch.Generator(device="cuda").manual_seed(7)
     n, k = 4096, 2048
@@ -138,10 +139,10 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
                                         generator=gen, dtype=torch.int32),
                     scales=torch.rand(k // 128, n, device="cuda", generator=gen).half() * 1e-2)
 
-        def call(x, split):
+        def call(x, split):  # one row: the GEMV; AWQ's 5: _awq_mma_kernel
             return tg.quant_gemm(x, fmt_id, n=n, group=128, tiles=tg.QuantTiles(
-                1, 64, 64, 4, 3, split), **args)
-    for rows in (1, 5) if fmt.startswith("fp8") else (1,):
+                1 if x.shape[0] == 1 else 16, 64, 64, 4, 3, split), **args)
+    for rows in (1,) if fmt == "gptq" else (1, 5):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         whole = call(x, 1).float()
         split = call(x, 8)

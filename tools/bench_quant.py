@@ -96,6 +96,9 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
     if rows == 1 and fmt != tg.FP8:
         tiles = [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in
                  itertools.product((1, 2, 4, 8), (32, 64, 128), (32, 64, 128)) if bn * bk <= 8192]
+    elif rows <= tg.SKINNY_ROWS and fmt == tg.AWQ:  # _awq_mma_kernel
+        tiles = [tg.QuantTiles(block_m, bn, bk, 4, s, split) for bn, bk, s, split in
+                 itertools.product((32, 64, 128), (64, 128), (3, 4), (1, 2, 4, 8))]
     elif rows <= tg.SKINNY_ROWS and fmt != tg.FP8:
         tiles = [tg.QuantTiles(block_m, bn, bk, w, s) for bn, bk, w, s in
                  itertools.product((16, 32, 64), (64, 128), (2, 4), (3, 4, 6))]

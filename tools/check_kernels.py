@@ -141,6 +141,8 @@ def quant_cases():
     for (name, args), rows in itertools.product(formats.items(), (1, 16)):
         yield f"quantized GEMM, {name}, {rows} rows", lambda a=args, r=rows: quant_gemm(
             torch.zeros(r, k, dtype=torch.bfloat16), **a, **int4)
+    yield "quantized GEMM, AWQ, 16 rows, fp16", lambda: quant_gemm(
+        torch.zeros(16, k, dtype=torch.float16), **formats["AWQ"], **int4)
     for split in (1, 4):
         yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
             torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],

@@ -17,7 +17,9 @@ their quantized size, once per row tile, and never written back dequantized.
   group): each input's own group, dequantized element by element before the dot (slower).
   One row (batch-1 decode), `_int4_gemv_kernel`: no tensor cores, the nibbles widened through
   float32's bit pattern (2^23 + q) instead of integer conversions, which run at a quarter of
-  the FMA rate and would bound a 4-bit GEMV at several times its memory floor.
+  the FMA rate and would bound a 4-bit GEMV at several times its memory floor. AWQ at 2-64
+  rows, `_awq_mma_kernel`: two nibbles become two bf16 / fp16 values in one step (MAGIC), on
+  tensor cores.
 
 Decode's few rows run as models/triton_linear.py's skinny matmul does (a program owns BLOCK_N
 outputs over all of K, the weight's tiles in flight through `num_stages` copies), prefill's
@@ -71,6 +73,8 @@ def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
                 return QuantTiles(block_m, 64, 128, 4, 3, 4)
             return QuantTiles(block_m, 32, 128, 4, 3, 2) if n <= 8192 else \
                 QuantTiles(block_m, 64, 128, 4, 4)
+        if fmt == AWQ:  # _awq_mma_kernel
+            return QuantTiles(block_m, 64 if n <= 4096 else 128, 128, 4, 3, 4)
         return QuantTiles(block_m, 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
 
@@ -265,6 +269,50 @@ def _int4_gemv_kernel(X, W, Scales, Zeros, Y, Partials, Counters, N, K, stride_w
                      pid_n, N, SPLIT_K)
 
 
+@triton.jit
+def _awq_mma_kernel(X, W, Scales, Zeros, Y, Partials, Counters, M, N, K, stride_xm, stride_w,
+                    stride_s, stride_z, group, MAGIC: tl.constexpr, MAGIC_F: tl.constexpr,
+                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    # AWQ, bf16 / fp16 x, decode's rows on tensor cores. Nibbles i and i + 4 of a word (AWQ's
+    # order puts outputs 2 i and 2 i + 1 there) become two 16-bit floats in one step:
+    # (word >> 4 i) & 0x000F000F | MAGIC holds MAGIC_F + q in each half (bf16 0x4300: 128 + q,
+    # fp16 0x6400: 1024 + q; exact, no integer conversion), and the offset comes off with the
+    # zero point once a group: acc += (dot(x, MAGIC_F + q) - sum(x) (MAGIC_F + z)) s. Program
+    # (m, n, s): the s-th of SPLIT_K parts of K (_store_split)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_start = pid_k * (K // SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    words = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    m_ok, n_ok, w_ok = offs_m < M, offs_n < N, words < N // 8
+    i4 = tl.arange(0, 4)
+    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+    w_at = W + (k_start + offs_k[:, None]).to(tl.int64) * stride_w + words[None, :]
+    z_shift = (offs_n % 2) * 16 + ((offs_n % 8) // 2) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):  # a step within one group
+        g = k0 // group
+        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
+        word = tl.load(w_at, mask=w_ok[None, :], other=0)
+        v = tl.reshape((word[:, :, None] >> (4 * i4)[None, None, :]) & 0x000F000F | MAGIC,
+                       [BLOCK_K, BLOCK_N // 2])
+        lo = v.to(tl.int16).to(x.dtype, bitcast=True)
+        hi = (v >> 16).to(tl.int16).to(x.dtype, bitcast=True)
+        part = tl.dot(x, tl.reshape(tl.join(lo, hi), [BLOCK_K, BLOCK_N]))
+        s = tl.load(Scales + g * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        zw = tl.load(Zeros + g * stride_z + offs_n // 8, mask=n_ok, other=0)
+        z = ((zw >> z_shift) & 0xF).to(tl.float32) + MAGIC_F
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+        x_at += BLOCK_K
+        w_at += BLOCK_K * stride_w
+    _store_split(acc, offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
+                 m_ok[:, None] & n_ok[None, :], Y, Partials, Counters,
+                 pid_m * tl.num_programs(1) + pid_n, M * N, SPLIT_K)
+
+
 def step_limit(fmt: int, scale_cols: int, group: int) -> int:
     """The longest K step a format allows: within one scale block and one activation group
     (FP8), one group (4-bit)."""
@@ -341,6 +389,12 @@ def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * scale).view(m, k)
 
 
+# a 16-bit float whose low mantissa bits a nibble fills (twice, in a word), and its value
+# with the nibble 0
+_MAGIC = {torch.bfloat16: dict(MAGIC=0x43004300, MAGIC_F=128.0),
+          torch.float16: dict(MAGIC=0x64006400, MAGIC_F=1024.0)}
+
+
 def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor, n: int,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
@@ -372,6 +426,14 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
             x, w, scales, zeros, y, *split_buffers(y, split, grid), n, k, w.stride(0),
             scales.stride(0), zeros.stride(0), group, zero_offset, FORMAT=fmt, SPLIT_K=split,
             BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
+        return y
+    if fmt == AWQ and m <= SKINNY_ROWS and x.dtype in _MAGIC:
+        split = tiles.split_k if k % (tiles.split_k * block_k) == 0 else 1
+        grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
+        _awq_mma_kernel[grid](x, w, scales, zeros, y, *split_buffers(y, split, grid), m, n, k,
+                              x.stride(0), w.stride(0), scales.stride(0), zeros.stride(0),
+                              group, **_MAGIC[x.dtype], SPLIT_K=split, BLOCK_M=tiles.block_m,
+                              BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
         return y
     g_idx = scales if g_idx is None else g_idx
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
