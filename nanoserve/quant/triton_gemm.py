@@ -57,7 +57,8 @@ class QuantTiles(NamedTuple):
     split_k: int = 1  # decode: programs a column tile's K is split over (float32 atomic adds)
 
 
-def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
+def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True, k: int = 4096
+              ) -> QuantTiles:
     """Tiles by rows and format: one row of a 4-bit weight (the GEMV), decode's few rows (a
     row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's, K split so that
     about 512 programs run) and prefill's many. block_k is the largest the format allows up
@@ -73,8 +74,11 @@ def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True) -> QuantTiles:
                 return QuantTiles(block_m, 64, 128, 4, 3, 4)
             return QuantTiles(block_m, 32, 128, 4, 3, 2) if n <= 8192 else \
                 QuantTiles(block_m, 64, 128, 4, 4)
-        if fmt == AWQ:  # _awq_mma_kernel
-            return QuantTiles(block_m, 64 if n <= 4096 else 128, 128, 4, 3, 4)
+        if fmt == AWQ and m <= 16:  # _awq_mma_kernel
+            return QuantTiles(16, 128, 128, 4, 3, 8) if n <= 8192 else \
+                QuantTiles(16, 128, 64, 4, 4, 2)
+        if fmt == AWQ:
+            return QuantTiles(block_m, 64 if n <= 4096 else 128, 128, 4, 3, 8 if k > 8192 else 4)
         return QuantTiles(block_m, 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
 
@@ -413,7 +417,7 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     if fmt == FP8:
         return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
     gemv = m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32
-    tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt)
+    tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt, k=k)
     block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
     assert block_k is not None, (k, fmt, group)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
