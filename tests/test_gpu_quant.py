@@ -112,7 +112,7 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
 @torch.inference_mode()
 def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_graphs(fmt):
     """Decode's K split over programs (_store_split): the split result equals the unsplit
-    kernel's within float32 reordering (1e-3 of the largest output, bf16 output), is the same
+    kernel's within float32 reordering (one bf16 step, or 1e-3 of the largest output), is the same
     bit for bit on every run (the parts are summed in order, whichever finishes last), leaves
     the per-tile counters at zero, and a CUDA graph of it replayed on new rows gives what an
     eager call gives on them. A weight of 4096 x 2048, rows 1 and 5 (FP8, AWQ: its GEMV and
@@ -147,8 +147,9 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         whole = call(x, 1).float()
         split = call(x, 8)
         assert torch.equal(split, call(x, 8))
-        err = ((split.float() - whole).abs().max() / whole.abs().max()).item()
-        assert err < 1e-3, (fmt, rows, err)
+        # the same float32 terms summed in another order: at most one bf16 step apart
+        torch.testing.assert_close(split.float(), whole, rtol=2**-7,
+                                   atol=1e-3 * whole.abs().max().item())
         assert not tg._COUNTERS[x.device].any()
         static = x.clone()
         graph = torch.cuda.CUDAGraph()

@@ -3,7 +3,7 @@ against the device-memory floor of its bytes (decode) and against cuBLAS on the 
 bf16 (prefill), with tile candidates; in CUDA graphs, cycling over enough copies of the weight
 that none stays in L2. Usage (GPU):
     python tools/bench_quant.py [--rows 1,16,64,4096] [--formats fp8,awq,gptq] [--tune]
-Shapes are Qwen3-8B's: qkv, o, gate_up, down; FP8 from 16 rows through cuBLAS too. The
+Shapes are Qwen3-8B's: qkv, o, gate_up, down; FP8 from CUBLAS_ROWS rows through cuBLAS too. The
 device-memory rate is a copy's, measured here.
 """
 

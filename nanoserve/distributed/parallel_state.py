@@ -35,7 +35,8 @@ def tp_size() -> int:
 @contextlib.contextmanager
 def sized_as(size: int) -> Iterator[None]:
     """Layers built inside size themselves as rank 0 of `size` ranks would (a model built on
-    the meta device to count its bytes); no collective may run inside."""
+    the meta device to count its bytes). Process-wide, not per thread: no forward or collective
+    may run meanwhile (it is used while the engine is built or before)."""
     global _rank, _size
     saved = _rank, _size
     _rank, _size = 0, size

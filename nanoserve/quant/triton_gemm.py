@@ -2,13 +2,15 @@
 their quantized size, once per row tile, and never written back dequantized.
 
 - FP8 (block-wise, per channel, per tensor): as the checkpoints declare (`activation_scheme:
-  dynamic`) and as vLLM and SGLang run them, x is quantized too, to e4m3 per row and 128
-  inputs (its scale: the group's largest magnitude over 448), in one pass before the GEMM
-  (`quantize_activations`; `fp8_activations_reference` is its torch twin), and the product runs
-  on FP8 tensor cores. `_fp8_gemm_kernel`: acc += dot(xq, w) * x_scale[m] * w_scale[n] per
-  step, a step never crossing a weight scale block, `scale_row` naming each output's row of the
-  weight scales' grid (block-wise: its shard's block row, per channel: its own, per tensor: its
-  shard's); decode's rows split K over programs. 128 x 128 blocks from CUBLAS_ROWS rows:
+  dynamic`) and as vLLM and SGLang run them, from WIDE_ROWS rows x is quantized too, to e4m3
+  per row and 128 inputs (its scale: the group's largest magnitude over 448), in one pass
+  before the GEMM (`quantize_activations`; `fp8_activations_reference` is its torch twin), and
+  the product runs on FP8 tensor cores. Below WIDE_ROWS (batch-1 decode) the weight is widened
+  to x's dtype in the tile instead: one kernel, no quantization pass. `_fp8_gemm_kernel`:
+  acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a step never crossing a weight scale
+  block, `scale_row` naming each output's row of the weight scales' grid (block-wise: its
+  shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
+  over programs. 128 x 128 blocks from CUBLAS_ROWS rows:
   cuBLAS's block-scaled GEMM (`cublas_block_scaled` says where it is right). float32 x keeps
   its precision: w widened, no activation quantization.
 - AWQ (a word holds eight outputs, nibble order 0 2 4 6 1 3 5 7) and GPTQ (a word holds eight
@@ -22,8 +24,8 @@ their quantized size, once per row tile, and never written back dequantized.
   tensor cores.
 
 Decode's few rows run as models/triton_linear.py's skinny matmul does (a program owns BLOCK_N
-outputs over all of K, the weight's tiles in flight through `num_stages` copies), prefill's
-many as a tiled GEMM.
+outputs over its share of K, the weight's tiles in flight through `num_stages` copies; a K split
+over programs is summed by `_store_split`), prefill's many as a tiled GEMM.
 """
 
 from __future__ import annotations
@@ -48,36 +50,43 @@ CUBLAS_ROWS = SKINNY_ROWS + 1  # FP8 128 x 128 blocks from this many rows: cuBLA
 # rows the Triton kernel was as fast or faster; tools/bench_quant.py --tune)
 
 
+# a 16-bit float whose low mantissa bits a nibble fills (twice, in a word), and its value
+# with the nibble 0
+_MAGIC = {torch.bfloat16: dict(MAGIC=0x43004300, MAGIC_F=128.0),
+          torch.float16: dict(MAGIC=0x64006400, MAGIC_F=1024.0)}
+
+
 class QuantTiles(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # decode: programs a column tile's K is split over (float32 atomic adds)
+    split_k: int = 1  # decode: programs a column tile's K is split over (_store_split)
 
 
-def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True, k: int = 4096
-              ) -> QuantTiles:
-    """Tiles by rows and format: one row of a 4-bit weight (the GEMV), decode's few rows (a
-    row tile of 16-64, 32 or 64 outputs a program, as the skinny matmul's, K split so that
-    about 512 programs run) and prefill's many. block_k is the largest the format allows up
-    to this. On an H100, Qwen3-8B's shapes (tools/bench_quant.py --tune)."""
+def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True, k: int = 4096,
+              dtype: torch.dtype = torch.bfloat16) -> QuantTiles:
+    """Tiles by rows, format and x's dtype: one row of a 4-bit weight (the GEMV), decode's few
+    rows (a row tile of 16-64; FP8 with the weight widened: 32 outputs a program, K split to
+    about 512 programs; AWQ in bf16 / fp16: _awq_mma_kernel's) and prefill's many. block_k is
+    the largest the format allows up to this. On an H100, Qwen3-8B's shapes
+    (tools/bench_quant.py --tune)."""
     if m == 1 and fmt in (AWQ, GPTQ):
         return QuantTiles(1, 64, 64, 4, 3, 8) if n <= 8192 else QuantTiles(1, 64, 128, 4, 3)
     if m <= SKINNY_ROWS:
         block_m = max(16, triton.next_power_of_2(m))
         if fmt == FP8 and not fp8_x:
-            return QuantTiles(block_m, 32, 128, 4, 3, max(1, min(4, 512 // (n // 32))))
+            return QuantTiles(block_m, 32, 128, 4, 3, max(1, min(4, 512 // triton.cdiv(n, 32))))
         if fmt == FP8:
             if n <= 4096:
                 return QuantTiles(block_m, 64, 128, 4, 3, 4)
             return QuantTiles(block_m, 32, 128, 4, 3, 2) if n <= 8192 else \
                 QuantTiles(block_m, 64, 128, 4, 4)
-        if fmt == AWQ and m <= 16:  # _awq_mma_kernel
+        if fmt == AWQ and m <= 16 and dtype in _MAGIC:  # _awq_mma_kernel
             return QuantTiles(16, 128, 128, 4, 3, 8) if n <= 8192 else \
                 QuantTiles(16, 128, 64, 4, 4, 2)
-        if fmt == AWQ:
+        if fmt == AWQ and dtype in _MAGIC:
             return QuantTiles(block_m, 64 if n <= 4096 else 128, 128, 4, 3, 8 if k > 8192 else 4)
         return QuantTiles(block_m, 32 if n <= 8192 else 64, 128, 4, 6)
     return QuantTiles(64, 128, 128, 4, 4) if fmt == FP8 else QuantTiles(128, 128, 128, 8, 3)
@@ -93,13 +102,14 @@ def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl
     if SPLIT_K == 1:
         tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(Partials + tl.program_id(2) * size + offs, acc, mask=mask)
+        tl.store(Partials + tl.program_id(2).to(tl.int64) * size + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's part stored before the count says so (release)
         if tl.atomic_add(Counters + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.load(Partials + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for part in tl.static_range(1, SPLIT_K):
-                total += tl.load(Partials + part * size + offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+            at = Partials + offs
+            total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+            for _ in tl.static_range(1, SPLIT_K):
+                at += size
+                total += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
             tl.atomic_xchg(Counters + tile, 0, sem="relaxed")
 
@@ -393,12 +403,6 @@ def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * scale).view(m, k)
 
 
-# a 16-bit float whose low mantissa bits a nibble fills (twice, in a word), and its value
-# with the nibble 0
-_MAGIC = {torch.bfloat16: dict(MAGIC=0x43004300, MAGIC_F=128.0),
-          torch.float16: dict(MAGIC=0x64006400, MAGIC_F=1024.0)}
-
-
 def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor, n: int,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
@@ -406,7 +410,8 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
                tiles: QuantTiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
-    each output's row of it; bf16 / fp16 x quantized per `activation_group` inputs; with
+    each output's row of it; bf16 / fp16 x from WIDE_ROWS rows quantized per
+    `activation_group` inputs (below them the weight widened to x's dtype); with
     `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block; K at least 512: at
     256 cuBLAS's results are wrong, tools/probes/scaled_mm_blockwise.py --small) CUBLAS_ROWS
     rows or more run cuBLAS's block-scaled FP8 GEMM. AWQ: w [K, n / 8], zeros [K / group, n / 8],
@@ -417,7 +422,7 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     if fmt == FP8:
         return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
     gemv = m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32
-    tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt, k=k)
+    tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt, k=k, dtype=x.dtype)
     block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
     assert block_k is not None, (k, fmt, group)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -482,6 +487,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def split_buffers(y: torch.Tensor, split: int, grid: tuple[int, int, int]
@@ -496,6 +502,8 @@ def split_buffers(y: torch.Tensor, split: int, grid: tuple[int, int, int]
     counters = _COUNTERS.get(y.device)
     if counters is None or counters.numel() < tiles:
         assert not (y.is_cuda and torch.cuda.is_current_stream_capturing()), "made in a capture"
+        if counters is not None:  # graphs captured on it keep its address: never freed
+            _OUTGROWN.append(counters)
         counters = _COUNTERS[y.device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
                                                      device=y.device)
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), counters

@@ -8,12 +8,16 @@ GEMV whose program reads its whole share of K in few, wide steps. Usage (GPU):
 from __future__ import annotations
 
 import collections
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from nanoserve.quant import triton_gemm as tg
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's weights and rate
 
 
 @triton.jit
@@ -71,7 +75,7 @@ def profile(name: str, calls: list, reps: int = 20) -> None:
 
 
 def main() -> None:
-    from bench_quant import copy_rate_gbs  # tools/ on the path
+    from bench_quant import copy_rate_gbs
     rate = copy_rate_gbs()
     print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s", flush=True)
     for name, (n, k) in (("o", (4096, 4096)), ("qkv", (6144, 4096)), ("down", (4096, 12288))):
@@ -83,7 +87,7 @@ def probe_shape(n: int, k: int) -> None:
     from bench_quant import weights
     copies = [weights("fp8", n, k)[0] for _ in range(20)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    profile("engine FP8 (x quantized, split 4)", [lambda a=a: tg.quant_gemm(x, n=n, **a)
+    profile("engine FP8 (its default at one row)", [lambda a=a: tg.quant_gemm(x, n=n, **a)
                                                   for a in copies])
     out = torch.zeros(n, dtype=torch.int32, device="cuda")
     for split, bn, bk in ((4, 32, 128), (4, 64, 128), (8, 32, 128), (1, 32, 512),
