@@ -162,6 +162,34 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         assert not tg._COUNTERS[x.device].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_awq_on_tensor_cores_equals_the_dequantized_weight_in_bf16_and_fp16(dtype):
+    """AWQ at 2-64 rows (_awq_mma_kernel: nibbles made into 16-bit floats by their bit
+    pattern, bf16's 128 + q or fp16's 1024 + q, the offset taken off with the zero point):
+    within 1% of float64's product with the dequantized weight (formats.dequantize), at rows
+    2, 16, 33 and 64, a weight of 1024 x 2048 in groups of 128 (and the GEMV at one row)."""
+    from nanoserve.quant import QuantConfig
+    from nanoserve.quant import triton_gemm as tg
+    from nanoserve.quant.formats import dequantize
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, k, group = 1024, 2048, 128
+    t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (k, n // 8), device="cuda",
+                                   generator=gen, dtype=torch.int32),
+             qzeros=torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), device="cuda",
+                                  generator=gen, dtype=torch.int32),
+             scales=(torch.rand(k // group, n, device="cuda", generator=gen) * 1e-2).to(dtype))
+    w = dequantize(QuantConfig("awq", group_size=group), t, n, k, torch.float64)
+    for rows in (1, 2, 16, 33, 64):
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+        got = tg.quant_gemm(x, tg.AWQ, t["qweight"], t["scales"], n, zeros=t["qzeros"],
+                            group=group)
+        ref = x.double() @ w.T
+        assert got.dtype == dtype
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, (dtype, rows, err)
+
+
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @torch.inference_mode()
