@@ -32,7 +32,7 @@ class EngineConfig:
 
     model: str = _field("", "Local model dir, Hugging Face hub id, or a shipped config name "
                         "with dummy weights (nanoserve/model_configs: Qwen3-8B, Qwen3-8B-YaRN, "
-                        "Qwen3-30B-A3B, Mistral-Nemo-12B, ...). "
+                        "Qwen3-30B-A3B(-YaRN), Mistral-Nemo-12B, ...). "
                         "Default: the embedded tiny model.")
     dtype: str = _field("auto", "Weights, activations and KV cache; auto: bf16 on CUDA, fp32 on "
                         "CPU.", choices=("auto", *DTYPES, *DTYPE_ALIASES))

@@ -28,7 +28,7 @@ from nanoserve.models.loader import (
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 SHIPPED = ("Qwen3-8B", "Qwen3-4B", "Llama-3.1-8B", "Llama-3-8B-1048k", "Qwen2.5-7B",
-           "Qwen3-8B-YaRN", "Qwen3-30B-A3B", "Mistral-Nemo-12B")
+           "Qwen3-8B-YaRN", "Qwen3-30B-A3B", "Qwen3-30B-A3B-YaRN", "Mistral-Nemo-12B")
 
 
 # --- hub ids -----------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ def test_local_dir_without_config_json(tmp_path):
 
 SHIPPED_NOTE = ("shipped configs for --dummy-weights: ['Llama-3-8B-1048k', 'Llama-3.1-8B', "
                 "'Mistral-Nemo-12B', 'Qwen2.5-7B', 'Qwen3-30B-A3B', 'Qwen3-30B-A3B-FP8', "
+                "'Qwen3-30B-A3B-YaRN', "
                 "'Qwen3-4B', 'Qwen3-8B', 'Qwen3-8B-AWQ', 'Qwen3-8B-FP8', 'Qwen3-8B-YaRN']")
 
 

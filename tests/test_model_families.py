@@ -5,6 +5,7 @@ transformers are in test_models_vs_transformers.py (conftest's ARCHS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -118,13 +119,17 @@ def test_yarn_frequencies_and_cos_sin_equal_transformers_bitwise(case):
     assert torch.equal(table[:, :64], cos[0, :, :64]) and torch.equal(table[:, 64:], sin[0, :, :64])
 
 
-def test_the_shipped_qwen3_8b_yarn_config_reaches_131072_positions():
-    cfg = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B-YaRN", dummy_weights=True))
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-30B-A3B"])
+def test_the_shipped_yarn_configs_reach_131072_positions(name):
+    """Qwen3-8B-YaRN and Qwen3-30B-A3B-YaRN (the MoE model at 128K, as its model card sets
+    it): the plain model with YaRN factor 4 over 32,768 positions, the same parameters."""
+    cfg = ModelConfig.from_dir(resolve_model_dir(f"{name}-YaRN", dummy_weights=True))
     assert cfg.max_position_embeddings == 131072
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
                                 "original_max_position_embeddings": 32768}
-    plain = ModelConfig.from_dir(resolve_model_dir("Qwen3-8B", dummy_weights=True))
+    plain = ModelConfig.from_dir(resolve_model_dir(name, dummy_weights=True))
     assert num_model_params(cfg) == num_model_params(plain)
+    assert dataclasses.replace(cfg, rope_scaling=None, max_position_embeddings=40960) == plain
 
 
 def test_yarn_model_matches_transformers_past_its_original_context(yarn_model):

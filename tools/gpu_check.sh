@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -189,6 +189,13 @@ for w in $what; do
       done ;;
     tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
       run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;
+    moeoffload)  # issue 35's item 3: Qwen3-30B-A3B at 128K (YaRN), every layer streamed, bf16
+                 # and FP8 KV, against the PCIe floor
+      for kv in auto fp8; do
+        run python3 bench_offload.py --model Qwen3-30B-A3B-YaRN --input-len 131072 --output-len 32 \
+          --offload-graph --resident-layers 0 --kv-cache-dtype $kv --out "$OUT/moeoffload_$kv" 2>&1 \
+          | grep -v -E "(it|tok)/s\]" | tail -4
+      done ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \
