@@ -1,4 +1,5 @@
-"""Compiles every hand-written Triton kernel of nanoserve for Hopper (sm_90) without a GPU:
+"""Compiles every hand-written Triton kernel of nanoserve for Hopper (sm_90; --capability 89
+for Ada, 80 / 86 for Ampere) without a GPU, and checks each within the target's shared memory:
 each kernel goes through its real launch wrapper, on CPU tensors of the Qwen3-8B shape, with
 the launch itself skipped. A compile error (a Python global the JIT cannot read, a loop
 variable that changes type) then costs no device time. Needs triton beside CPU torch, in its
@@ -11,6 +12,7 @@ own environment (the project's test environment has none):
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -18,9 +20,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver, jit
 
+# the most shared memory a block may use, by compute capability (CUDA's programming guide):
+# a kernel over it compiles but is refused at launch
+SHARED_LIMIT = {80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10}
+
 
 class _CompileOnlyDriver:
-    """Enough of triton's driver for a compile: device 0, an sm_90 target, no launches."""
+    """Enough of triton's driver for a compile: device 0, an sm_`capability` target, no
+    launches."""
+
+    capability = 90
 
     def get_current_device(self) -> int:
         return 0
@@ -29,19 +38,24 @@ class _CompileOnlyDriver:
         return 0
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
 
 
-def compile_only() -> None:
-    """From here on, launching a Triton kernel compiles it and returns."""
+def compile_only(capability: int = 90, shared: list | None = None) -> None:
+    """From here on, launching a Triton kernel compiles it for sm_`capability` and returns;
+    each compiled kernel's (name, shared memory bytes) is appended to `shared`."""
+    _CompileOnlyDriver.capability = capability
     driver.set_active(_CompileOnlyDriver())
     run = jit.JITFunction.run
 
     def warmup_run(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if shared is not None:
+            shared.append((self.fn.__name__, kernel.metadata.shared))
+        return kernel
 
     jit.JITFunction.run = warmup_run
 
@@ -185,16 +199,27 @@ def moe_cases():
 
 
 def main() -> None:
-    compile_only()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT),
+                    help="compute capability to compile for (89: an L4 / L40 / RTX 4090)")
+    capability = ap.parse_args().capability
+    shared: list[tuple[str, int]] = []
+    compile_only(capability, shared)
     failed = 0
     for name, launch in cases():
+        shared.clear()
         try:
             launch()
+            over = [(k, b) for k, b in shared if b > SHARED_LIMIT[capability]]
+            if over:
+                raise RuntimeError(f"shared memory over the sm_{capability} limit of "
+                                   f"{SHARED_LIMIT[capability]} bytes: {over}")
             print(f"ok      {name}")
         except Exception as e:  # noqa: BLE001 - every compile error is reported, then the next
             failed += 1
             print(f"FAILED  {name}: {type(e).__name__}: {str(e)[:2000]}")
-    print(f"{failed} of the kernels failed to compile for sm_90 (triton {triton.__version__})")
+    print(f"{failed} of the kernels failed to compile for sm_{capability} within its shared "
+          f"memory (triton {triton.__version__})")
     raise SystemExit(1 if failed else 0)
 
 
