@@ -240,3 +240,27 @@ def test_zeroing_the_needle_pages_scales_in_the_host_store_fails_those_depths(fp
     intact = run_needle(fp8_offload_llm, CPU_LEN, [0.1, 0.5, 0.9], seed=2,
                         after_prefill=elsewhere)
     assert all(r.passed for r in intact), format_table(intact)
+
+
+@pytest.mark.parametrize("capability, name, refused", [((8, 0), "NVIDIA A100-SXM4-80GB", True),
+                                                      ((8, 6), "NVIDIA GeForce RTX 3090", True),
+                                                      ((8, 9), "NVIDIA L40S", False),
+                                                      ((9, 0), "NVIDIA H100 80GB HBM3", False)])
+def test_fp8_kv_on_a_gpu_whose_kernels_cannot_read_e4m3_is_refused_by_name(
+        monkeypatch, capability, name, refused):
+    """Before compute capability 8.9 Triton has no e4m3 (the KV store and decode kernels fail
+    to compile with "type fp8e4nv not supported"): the engine refuses FP8 KV at start, naming
+    the GPU, its capability and what to use; from 8.9 on, and on the CPU, it proceeds."""
+    from nanoserve.kv.fp8_format import check_device_reads_fp8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    check_device_reads_fp8(torch.device("cpu"))
+    if not refused:
+        check_device_reads_fp8(torch.device("cuda", 0))
+        return
+    with pytest.raises(ValueError) as e:
+        check_device_reads_fp8(torch.device("cuda", 0))
+    assert str(e.value) == (
+        f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, "
+        f"Blackwell), whose kernels read e4m3; {name} is {capability[0]}.{capability[1]}: use "
+        f"kv_cache_dtype auto (the model's dtype)")

@@ -31,6 +31,7 @@ from nanoserve.engine.step_executor import StepExecutor, StepState
 from nanoserve.engine.step_inputs import HostStep, InFlightTokens, StepInputBuilder, StepInputs
 from nanoserve.engine.token_stats import TokenStats
 from nanoserve.kv.fp8 import dequantize
+from nanoserve.kv.fp8_format import FP8, check_device_reads_fp8
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
@@ -81,6 +82,8 @@ class ModelRunner:
         fused.set_enabled(cfg.enable_fusion)
         model.set_moe_backend(cfg.moe_backend)
         kv_dtype = cfg.torch_kv_dtype
+        if kv_dtype == FP8:
+            check_device_reads_fp8(self.device)
         self.backend = select_backend(cfg.attention_backend, self.device, kv_dtype == self.dtype)
         num_kv_heads = model.attention_layers[0].num_kv_heads  # this rank's share under TP
         self.backend.configure(num_kv_heads, max_model_len)
