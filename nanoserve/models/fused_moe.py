@@ -164,6 +164,10 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     pairs = t * k
     if tiles is None:
         tiles = tiles_for(pairs, num_experts, hidden, inter, x.device)
+    if x.dtype == torch.float32:  # the tiles are measured in bf16; float32's operands take
+        # twice the shared memory: half the K step, two stages (within sm86 / sm89's 99 KB)
+        tiles = tiles._replace(block_k=max(16, tiles.block_k // 2),
+                               num_stages=min(tiles.num_stages, 2))
     if scales is not None:  # a K step within one scale block
         step = tiles.block_k
         while block[1] % step:
