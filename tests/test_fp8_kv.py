@@ -264,3 +264,26 @@ def test_fp8_kv_on_a_gpu_whose_kernels_cannot_read_e4m3_is_refused_by_name(
         f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, "
         f"Blackwell), whose kernels read e4m3; {name} is {capability[0]}.{capability[1]}: use "
         f"kv_cache_dtype auto (the model's dtype)")
+
+
+@pytest.mark.parametrize("kv_cache_dtype, asked", [("fp8", True), ("auto", False)])
+def test_the_engine_asks_whether_its_device_reads_fp8_before_building_fp8_kv(
+        monkeypatch, kv_cache_dtype, asked):
+    """The refusal above is wired in: an engine with FP8 KV asks for its device at start (a
+    refusal there stops the engine with that ValueError), one with the model's dtype does
+    not ask."""
+    from nanoserve.engine import model_runner
+    seen = []
+
+    def refuse(device):
+        seen.append(device)
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(model_runner, "check_device_reads_fp8", refuse)
+    if asked:
+        with pytest.raises(ValueError, match="refused for the test"):
+            make_llm(None, kv_cache_dtype=kv_cache_dtype)
+        assert seen == [torch.device("cpu")]
+    else:
+        make_llm(None, kv_cache_dtype=kv_cache_dtype)
+        assert seen == []
