@@ -461,9 +461,9 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    if quantize_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
-        quantize_x = dtype != torch.float32 and m >= WIDE_ROWS
     fp8_x = quantize_x
+    if fp8_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
+        fp8_x = dtype != torch.float32 and m >= WIDE_ROWS
     x_scale = scales
     if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
         # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
