@@ -3,10 +3,10 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
-# QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
+# MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -196,6 +196,13 @@ for w in $what; do
           --offload-graph --resident-layers 0 --kv-cache-dtype $kv --out "$OUT/moeoffload_$kv" 2>&1 \
           | grep -v -E "(it|tok)/s\]" | tail -4
       done ;;
+    moetargets)  # issue 35's table: Qwen3-30B-A3B TPOT at batch 1 and 32 @ 4K, TTFT 32 x 4,096
+                 # and 1 x 32K (batch 32 does not fit an 80 GB card: MOE_BATCHES=1 there)
+      run python3 bench_offload.py --model Qwen3-30B-A3B --input-len 4096 --output-len 64 \
+        --batch-size ${MOE_BATCHES:-1,32} --resident-graph --out "$OUT/moe4k" 2>&1 \
+        | grep -v -E "(it|tok)/s\]" | tail -6
+      run python3 bench_offload.py --model Qwen3-30B-A3B --input-len 32768 --output-len 16 \
+        --resident-graph --out "$OUT/moe32k" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -4 ;;
     moe)  # issue 18: the MoE layer's paths alone, then Qwen3-30B-A3B at batch 1 and 32
       run python3 tools/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log"
       run python3 bench_offload.py --model Qwen3-30B-A3B --output-len 64 --input-len 4096,16384 \

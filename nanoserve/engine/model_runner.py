@@ -63,8 +63,16 @@ def build_worker_runner(cfg: EngineConfig, model_dir: Path, max_model_len: int,
 
 
 # token counts of the warm-up prompts (ModelRunner.warm_up_prompts); the classes of count that
-# compiled kernels may specialize on: not divisible by 16 (even, odd) and divisible by 16
+# compiled kernels may specialize on: not divisible by 16 (even, odd) and divisible by 16. A
+# last prompt fills a whole step (warm_up_lengths): kernels that pick tiles by size band (the
+# fused MoE's prefill tiles, from 4,096 (token, expert) pairs) compile for long prompts too
 WARM_UP_PROMPT_LENGTHS = (90, 131, 160)
+
+
+def warm_up_lengths(step_tokens: int) -> list[int]:
+    """The warm-up prompts' lengths when a step holds `step_tokens` prompt tokens."""
+    lengths = [min(n, step_tokens) for n in WARM_UP_PROMPT_LENGTHS]
+    return lengths + [step_tokens] if step_tokens > max(lengths) else lengths
 
 
 class ModelRunner:
@@ -169,8 +177,8 @@ class ModelRunner:
             return
         greedy = SamplingParams(temperature=0.0, max_tokens=1)
         sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
-        for i, n in enumerate(WARM_UP_PROMPT_LENGTHS):
-            n, p = min(n, n_max), (sampled if i % 2 else greedy)
+        for i, n in enumerate(warm_up_lengths(n_max)):
+            p = sampled if i % 2 else greedy
             seq = Sequence([0] * n, p)
             if not self.kv.grow(seq, n):
                 return

@@ -35,7 +35,7 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "ROWS", "TILES"])
 def _sort_pairs_kernel(Ids, Scratch, SortedPairs, TileExpert, P, E, ROWS, TILES,
                        BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                        BLOCK_TILES: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -88,7 +88,7 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, tile_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # one compile for every pair count of a tile band
 def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert, BScale,
                      N, K, P, E, TOP_K, stride_am, stride_be, stride_bn, stride_cm,
                      stride_se, stride_sn, scale_rows, scale_cols,
