@@ -121,3 +121,37 @@ def test_triton_decode_fp32_is_tight(transposed):
                                  tiles=TILES["default"]._replace(transposed=transposed))
     ref = reference_decode(q, kc, vc, table, lens_t, 0.125)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_every_split_count_runs_on_one_compiled_kernel():
+    """The split count (a function of the batch size) is not a compile-time constant: the eager
+    decode rows of mixed steps come in every number, and each new count compiled the split and
+    merge kernels inside a request (20 compiles, about 4 s, in a 32 x 4,096 prefill). Counts
+    1-40 each stay within the bound of float64, and after the first count of each merge width
+    no kernel compiles."""
+    from nanoserve.attention.triton_decode import (
+        TILES,
+        _decode_split_kernel,
+        _merge_splits_kernel,
+        paged_decode_attention,
+    )
+
+    def compiled(kernel) -> int:
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    lens = [5000, 77, 1300]
+    q, kc, vc, table, lens_t = random_paged(3, lens, 32, 4, 128, 256, torch.bfloat16, gen)
+    ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
+    widths = set()
+    for splits in range(2, 41):
+        before = compiled(_decode_split_kernel), compiled(_merge_splits_kernel)
+        out = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits,
+                                     tiles=TILES["default"])
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, splits
+        width = 1 << (splits - 1).bit_length()  # the merge's block of splits
+        if splits > 2:
+            assert compiled(_decode_split_kernel) == before[0], f"{splits} splits compiled"
+        if width in widths:
+            assert compiled(_merge_splits_kernel) == before[1], f"{splits} splits compiled"
+        widths.add(width)

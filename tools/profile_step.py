@@ -3,7 +3,9 @@ trace of the engine's own steps (dummy weights, the shipped Qwen3-8B config by d
 
     python tools/profile_step.py --prefill 32768 --decode 1x32768,64x512
 
-Prefill: the whole prompt's steps (every chunk). Decode: 10 steps after warm-up, as the engine
+Prefill: the whole prompt's steps (every chunk; BATCHxTOKENS: that many prompts at once, the
+first ones decoding in mixed steps while the later ones prefill, as the bench's TTFT runs them).
+Decode: 10 steps after warm-up, as the engine
 runs them (graphs unless --enforce-eager). Times are kernel times summed per category and
 divided by the number of steps; "wall" is the host's time per step.
 """
@@ -11,7 +13,9 @@ divided by the number of steps; "wall" is the host's time per step.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import tempfile
 import time
 from collections import defaultdict
@@ -126,13 +130,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profiled_steps(engine, steps: int | None, host: bool = False):
+def profiled_steps(engine, steps: int | None, host: bool = False,
+                   python: cProfile.Profile | None = None):
     """Runs `steps` engine steps (None: until every sequence has its first token) under the
-    profiler (`host`: the host's runtime calls too); returns (profile, steps run, wall ms)."""
+    profiler (`host`: the host's runtime calls too; `python`: under that Python profiler too);
+    returns (profile, steps run, wall ms)."""
     sync()
     n, t0 = 0, time.perf_counter()
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
     with profile(activities=activities) as prof:
+        if python is not None:
+            python.enable()
         while (engine.has_unfinished() and
                (n < steps if steps is not None else
                 any(s.num_output_tokens == 0 for s in engine.scheduler.running +
@@ -140,13 +148,16 @@ def profiled_steps(engine, steps: int | None, host: bool = False):
             engine.step()
             n += 1
         sync()
+        if python is not None:
+            python.disable()
     return prof, n, (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="Qwen3-8B")
-    ap.add_argument("--prefill", type=int, default=32768, help="prompt tokens (0: skip)")
+    ap.add_argument("--prefill", default="32768",
+                    help="prompt tokens, or BATCHxTOKENS (0: skip)")
     ap.add_argument("--decode", default="1x32768,64x512",
                     help="BATCHxCONTEXT,... decode workloads ('' to skip)")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -154,6 +165,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="decode's sampling temperature (0: greedy, as bench_offload.py)")
+    ap.add_argument("--python", action="store_true",
+                    help="prefill under cProfile too: the host's heaviest Python functions")
     ap.add_argument("--enable-offload", action="store_true",
                     help="every layer's KV streamed from host memory (copies under 'copy')")
     args = ap.parse_args()
@@ -163,8 +176,9 @@ def main() -> None:
 
 
     work = []
-    if args.prefill:
-        work.append(("prefill", 1, args.prefill))
+    if args.prefill != "0":
+        b, n = (int(x) for x in ("1x" + args.prefill).split("x")[-2:])
+        work.append(("prefill", b, n))
     for w in filter(None, args.decode.split(",")):
         b, n = (int(x) for x in w.split("x"))
         work.append(("decode", b, n))
@@ -187,9 +201,12 @@ def main() -> None:
         for _ in range(batch):
             engine.add_request(prompt(ctx), params)
         if kind == "prefill":
-            prof, n, wall = profiled_steps(engine, None)
-            report(f"prefill, {ctx} tokens", prof, 1, wall, args.top)
+            python = cProfile.Profile() if args.python else None
+            prof, n, wall = profiled_steps(engine, None, python=python)
+            report(f"prefill, {batch} x {ctx} tokens", prof, 1, wall, args.top)
             print(f"    ({n} chunk steps)")
+            if python is not None:
+                pstats.Stats(python).sort_stats("tottime").print_stats(args.top * 2)
         else:
             profiled_steps(engine, None)  # prefill, unprofiled
             for _ in range(5):

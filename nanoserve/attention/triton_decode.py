@@ -123,7 +123,14 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
     return tl.expand_dims(x, 1 if TRANSPOSED else 0)
 
 
-@triton.jit
+# The split count is a function of the batch size (num_splits_for): a runtime argument, left
+# unspecialized with the strides that scale with it, so that one compiled kernel serves every
+# batch size (the eager decode rows of mixed steps come in any number: as constants, each new
+# count compiled two kernels inside a request, 20 of them in a 32 x 4,096 prefill)
+_SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_split_kernel(
     Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh,
@@ -132,9 +139,9 @@ def _decode_split_kernel(
     stride_sp, stride_st, stride_sh,
     stride_pt,
     stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh,
+    stride_mlb, stride_mlh, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
@@ -147,7 +154,7 @@ def _decode_split_kernel(
     start = tl.load(Starts + b) if HAS_STARTS else 0
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
     first_tile = start // BLOCK_N
-    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
     tile_lo = first_tile + s * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
@@ -257,12 +264,11 @@ def _decode_split_kernel(
         tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _merge_splits_kernel(
     MidO, MidLse, ExtraO, ExtraLse, Out,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, EXTRA: tl.constexpr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EXTRA: tl.constexpr,
 ):
     """EXTRA: one more partial, contiguous [batch, heads, d] float32 and [batch, heads] (the
     CPU's share of the row's tokens)."""
@@ -270,7 +276,7 @@ def _merge_splits_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
                   other=float("-inf"))
@@ -389,9 +395,9 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         *scale_strides,
         page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
+        mid_lse.stride(0), mid_lse.stride(1), num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=d,
-        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n,
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
@@ -414,8 +420,8 @@ def merge_partials(parts: Partials, out: torch.Tensor,
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_S=triton.next_power_of_2(num_splits), EXTRA=extra is not None, num_warps=4,
     )
     return out
