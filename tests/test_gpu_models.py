@@ -96,7 +96,8 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
     """The Triton sort equals the torch one exactly (up to 128 tokens it runs as one program,
     beyond as torch ops); the fused kernels' bf16 result is within bf16 rounding of the float64
     tile-by-tile twin on the same bf16 weights, at top-8 over 128 experts, with experts no
-    token routes to and with every token on one expert."""
+    token routes to and with every token on one expert; with the weights' tiles loaded through
+    TMA too."""
     from nanoserve.models import fused_moe, moe_tiles
     experts, top_k, hidden = 128, 8, 2048
     g = torch.Generator().manual_seed(tokens)
@@ -120,7 +121,9 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
     twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids, gate_up.double(),
                                              down.double(), 16)
     for tiles in {moe_tiles.default_tiles(tokens * top_k), moe_tiles.MoETiles(16, 32, 128, 4, 4),
-                  moe_tiles.MoETiles(64, 128, 64, 8, 3)}:
+                  moe_tiles.MoETiles(64, 128, 64, 8, 3),  # and the weights through TMA:
+                  moe_tiles.MoETiles(128, 128, 64, 8, 4, True),
+                  moe_tiles.MoETiles(16, 64, 128, 4, 3, True)}:
         got = fused_moe.experts_fused(x, weights, ids, gate_up, down, tiles).double()
         err = ((got - twin).norm() / twin.norm()).item()
         assert err < 8e-3, (tiles, err)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoserve.models.moe_tiles import MoETiles, padded_sizes, sort_pairs_reference, tiles_for
 
@@ -89,17 +90,19 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit(do_not_specialize=["P"])  # one compile for every pair count of a tile band
-def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert, BScale,
+def _moe_gemm_kernel(A, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
                      N, K, P, E, TOP_K, stride_am, stride_be, stride_bn, stride_cm,
                      stride_se, stride_sn, scale_rows, scale_cols,
-                     GATE_UP: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     GATE_UP: tl.constexpr, FP8_B: tl.constexpr, B_TMA: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
     """C[pair, n] for the rows of one tile (one expert) and BLOCK_N columns. GATE_UP: A is the
     tokens (row pair // TOP_K), B an expert's [2N, K] gate then up rows, C = silu(gate) * up,
     each rounded to C's dtype where torch's unfused path rounds. Else A is the intermediate
     (row pair), B an expert's [N, K] down rows, C = A B^T times the pair's routing weight.
     FP8_B: B is e4m3 with BScale [E, rows / scale_rows, K / scale_cols] its block scales; a K
-    step lies within one block column (scale_cols % BLOCK_K == 0), its dot is scaled after."""
+    step lies within one block column (scale_cols % BLOCK_K == 0), its dot is scaled after.
+    B_TMA: B's tiles come through BDesc, a TMA descriptor of B [E, rows, K] (bf16 / fp16)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, col = pid // tiles_n, pid % tiles_n
@@ -125,14 +128,21 @@ def _moe_gemm_kernel(A, B, C, Weights, SortedPairs, TileExpert, BScale,
     for k in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k
         a = tl.load(a_at, mask=live[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_at, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if B_TMA:
+            b = BDesc.load([expert, col * BLOCK_N, k]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = tl.load(b_at, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8_B:
             s = tl.load(s_at + k // scale_cols, mask=n_ok, other=0.0)
             acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * s[None, :]
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATE_UP:
-            up = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if B_TMA:
+                up = BDesc.load([expert, N + col * BLOCK_N, k]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                up = tl.load(b_at + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
+                             other=0.0)
             if FP8_B:
                 s_up = tl.load(s_up_at + k // scale_cols, mask=n_ok, other=0.0)
                 acc_up += tl.dot(a, up.to(a.dtype), input_precision=PRECISION) * s_up[None, :]
@@ -182,17 +192,23 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     # float32 in full precision (tests, references), not tf32
+    tma = tiles.tma and scales is None and x.dtype in (torch.bfloat16, torch.float16)
     meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, B_TMA=tma,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    box = [1, tiles.block_n, tiles.block_k]
+    gate_up_desc, down_desc = (TensorDescriptor(w, list(w.shape), list(w.stride()), box)
+                               if tma else w for w in (gate_up, down))  # else never read
     _moe_gemm_kernel[(num_tiles * triton.cdiv(inter, tiles.block_n),)](
-        x, gate_up, mid, flat_weights, sorted_pairs, tile_expert, gate_up_scales, inter, hidden,
-        pairs, num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), mid.stride(0),
-        gate_up_scales.stride(0), gate_up_scales.stride(1), GATE_UP=True, **fp8, **meta)
+        x, gate_up, gate_up_desc, mid, flat_weights, sorted_pairs, tile_expert, gate_up_scales,
+        inter, hidden, pairs, num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        mid.stride(0), gate_up_scales.stride(0), gate_up_scales.stride(1), GATE_UP=True, **fp8,
+        **meta)
     _moe_gemm_kernel[(num_tiles * triton.cdiv(hidden, tiles.block_n),)](
-        mid, down, out, flat_weights, sorted_pairs, tile_expert, down_scales, hidden, inter,
-        pairs, num_experts, k, mid.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        down_scales.stride(0), down_scales.stride(1), GATE_UP=False, **fp8, **meta)
+        mid, down, down_desc, out, flat_weights, sorted_pairs, tile_expert, down_scales, hidden,
+        inter, pairs, num_experts, k, mid.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), down_scales.stride(0), down_scales.stride(1), GATE_UP=False, **fp8,
+        **meta)
     return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
 
 

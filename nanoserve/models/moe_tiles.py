@@ -23,6 +23,7 @@ class MoETiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # the experts' weight tiles through TMA descriptors (bf16 / fp16)
 
 
 def default_tiles(pairs: int) -> MoETiles:

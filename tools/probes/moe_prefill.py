@@ -1,0 +1,83 @@
+"""The MoE layer at prefill sizes (issue 35's TTFT rows): the fused path's tiles, with and without
+TMA for the experts' weights, against torch's grouped GEMM (CUTLASS), at Qwen3-30B-A3B's widths,
+in TFLOP/s of the experts' matmuls against the bf16 matmul rate measured in the same run. The
+sort and the sum over k are timed alone too. Eager, median of repeats, three layers' weights in
+turn. Usage (GPU):
+    python tools/probes/moe_prefill.py [--tokens 2048,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from nanoserve.cuda_timing import median_ms
+from nanoserve.models import fused_moe, moe, moe_tiles
+
+H, E, K, INTER = 2048, 128, 8, 768
+LAYERS = 3
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / median_ms(lambda: a @ a, reps=10) / 1e9
+
+
+def candidates(base: moe_tiles.MoETiles) -> list[moe_tiles.MoETiles]:
+    tiles = moe_tiles.MoETiles
+    return [base, base._replace(tma=True), tiles(128, 128, 64, 8, 4, True),
+            tiles(128, 128, 64, 4, 3, True), tiles(128, 64, 64, 4, 4, True),
+            tiles(64, 128, 64, 4, 4, True), tiles(128, 128, 128, 8, 3, True)]
+
+
+def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
+    xs = [torch.randn(t, H, device="cuda").bfloat16() for _ in range(LAYERS)]
+    routed = [moe.route(x, r, K, True) for x, (r, _, _) in zip(xs, ws, strict=True)]
+    flops = 6 * t * K * H * INTER
+    base = moe_tiles.tiles_for(t * K, E, H, INTER, xs[0].device)
+
+    def timed(fn) -> float:
+        calls = iter(range(1 << 30))
+
+        def once():
+            j = next(calls) % LAYERS
+            fn(xs[j], *routed[j], *ws[j][1:])
+        return median_ms(once, reps=20, warmup=2)
+
+    rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
+            for c in candidates(base)}
+    if moe.fast_grouped_mm(xs[0].device, torch.bfloat16):
+        rows["grouped (torch._grouped_mm)"] = moe.experts_grouped
+    print(f"\n{t} tokens ({t * K} pairs), {flops / 1e9:.1f} GFLOP a layer")
+    for name, fn in rows.items():
+        try:
+            ms = timed(fn)
+        except Exception as e:  # a candidate over the shared memory: say so, go on
+            print(f"  {name:<48} failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        tf = flops / ms / 1e9
+        print(f"  {name:<48} {ms * 1e3:8.1f} us {tf:6.0f} TFLOP/s ({tf / rate:.0%})")
+    sort_ms = timed(lambda x, w, ids, gu, d: fused_moe.sort_pairs(ids, E, base.block_m))
+    out = torch.empty(t * K, H, device="cuda", dtype=torch.bfloat16)
+    sum_ms = median_ms(lambda: out.view(t, K, H).sum(dim=1), reps=20)
+    print(f"  of which: sort {sort_ms * 1e3:.1f} us, sum over k {sum_ms * 1e3:.1f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="2048,8192")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ws = [(torch.randn(E, H, device="cuda").mul_(0.02).bfloat16(),
+           torch.randn(E, 2 * INTER, H, device="cuda").mul_(0.02).bfloat16(),
+           torch.randn(E, H, INTER, device="cuda").mul_(0.02).bfloat16()) for _ in range(LAYERS)]
+    rate = matmul_tflops()
+    print(f"bf16 matmul (8192^3): {rate:.0f} TFLOP/s")
+    for t in (int(x) for x in args.tokens.split(",")):
+        probe(t, ws, rate)
+
+
+if __name__ == "__main__":
+    main()
