@@ -206,7 +206,9 @@ def main() -> None:
             report(f"prefill, {batch} x {ctx} tokens", prof, 1, wall, args.top)
             print(f"    ({n} chunk steps)")
             if python is not None:
-                pstats.Stats(python).sort_stats("tottime").print_stats(args.top * 2)
+                stats = pstats.Stats(python)
+                stats.sort_stats("tottime").print_stats(args.top * 2)
+                stats.sort_stats("cumtime").print_stats("nanoserve", args.top * 2)
         else:
             profiled_steps(engine, None)  # prefill, unprofiled
             for _ in range(5):

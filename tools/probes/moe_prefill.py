@@ -12,6 +12,7 @@ import argparse
 import functools
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from nanoserve.cuda_timing import median_ms
 from nanoserve.models import fused_moe, moe, moe_tiles
@@ -28,8 +29,8 @@ def matmul_tflops() -> float:
 def candidates(base: moe_tiles.MoETiles) -> list[moe_tiles.MoETiles]:
     tiles = moe_tiles.MoETiles
     return [base, base._replace(tma=True), tiles(128, 128, 64, 8, 4, True),
-            tiles(128, 128, 64, 4, 3, True), tiles(128, 64, 64, 4, 4, True),
-            tiles(64, 128, 64, 4, 4, True), tiles(128, 128, 128, 8, 3, True)]
+            tiles(64, 128, 64, 4, 4, True), tiles(128, 64, 64, 8, 4, True),
+            tiles(64, 64, 64, 4, 4, True), tiles(128, 128, 32, 8, 5, True)]
 
 
 def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
@@ -46,6 +47,17 @@ def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
             fn(xs[j], *routed[j], *ws[j][1:])
         return median_ms(once, reps=20, warmup=2)
 
+    def kernels_ms(fn) -> float:
+        """Device time of fn's kernels a call (eager timing counts the host's launches too)."""
+        fn(xs[0], *routed[0], *ws[0][1:])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for j in range(2 * LAYERS):
+                fn(xs[j % LAYERS], *routed[j % LAYERS], *ws[j % LAYERS][1:])
+            torch.cuda.synchronize()
+        return sum(e.device_time for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / (2 * LAYERS)
+
     rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
             for c in candidates(base)}
     if moe.fast_grouped_mm(xs[0].device, torch.bfloat16):
@@ -53,16 +65,18 @@ def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
     print(f"\n{t} tokens ({t * K} pairs), {flops / 1e9:.1f} GFLOP a layer")
     for name, fn in rows.items():
         try:
-            ms = timed(fn)
+            ms, dev = timed(fn), kernels_ms(fn)
         except Exception as e:  # a candidate over the shared memory: say so, go on
             print(f"  {name:<48} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
-        tf = flops / ms / 1e9
-        print(f"  {name:<48} {ms * 1e3:8.1f} us {tf:6.0f} TFLOP/s ({tf / rate:.0%})")
-    sort_ms = timed(lambda x, w, ids, gu, d: fused_moe.sort_pairs(ids, E, base.block_m))
+        tf = flops / dev / 1e9
+        print(f"  {name:<48} {ms * 1e3:8.1f} us eager, kernels {dev * 1e3:8.1f} us "
+              f"{tf:6.0f} TFLOP/s ({tf / rate:.0%})")
+    sort = lambda x, w, ids, gu, d: fused_moe.sort_pairs(ids, E, base.block_m)  # noqa: E731
     out = torch.empty(t * K, H, device="cuda", dtype=torch.bfloat16)
     sum_ms = median_ms(lambda: out.view(t, K, H).sum(dim=1), reps=20)
-    print(f"  of which: sort {sort_ms * 1e3:.1f} us, sum over k {sum_ms * 1e3:.1f} us")
+    print(f"  of which: sort {timed(sort) * 1e3:.1f} us eager, kernels "
+          f"{kernels_ms(sort) * 1e3:.1f} us; sum over k {sum_ms * 1e3:.1f} us")
 
 
 def main() -> None:
