@@ -129,6 +129,24 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
         assert err < 8e-3, (tiles, err)
 
 
+@pytest.mark.parametrize("tokens", [129, 1000, 8192, 20000])
+@pytest.mark.parametrize("one_expert", [False, True])
+def test_the_blocked_sort_equals_torchs_at_prefill_sizes(tokens, one_expert):
+    """Beyond one program's 1,024 pairs the sort runs over blocks of pairs (three kernels): its
+    layout equals the torch reference's exactly, pairs in order within each expert, at every
+    tile height, with every token on one expert too (one expert's pairs span every block)."""
+    from nanoserve.models import fused_moe, moe_tiles
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.rand(tokens, 128, device="cuda", generator=g).topk(8, dim=-1).indices
+    if one_expert:
+        ids[:, 0] = 5
+        ids[:, 1:] = torch.where(ids[:, 1:] == 5, 127 - (ids[:, :1] % 7), ids[:, 1:])
+    for block_m in (16, 64, 128):
+        got = fused_moe.sort_pairs(ids, 128, block_m)
+        ref = moe_tiles.sort_pairs_reference(ids, 128, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), block_m
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 64, 4096])
 @pytest.mark.parametrize("norm", [True, False])
 @torch.inference_mode()

@@ -29,8 +29,8 @@ def candidates(pairs: int) -> list[moe_tiles.MoETiles]:
         grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [4], [3, 4, 5])
     elif pairs <= 4096:
         grid = itertools.product([16, 32, 64], [64, 128], [64, 128], [4, 8], [3, 4])
-    else:  # prefill: the tensor cores set the time
-        grid = itertools.product([64, 128], [64, 128], [32, 64], [4, 8], [3, 4])
+    else:  # prefill: the tensor cores set the time; the weights through TMA or not
+        grid = itertools.product([64, 128], [64, 128], [32, 64], [4, 8], [3, 4], [False, True])
     return [moe_tiles.MoETiles(*c) for c in grid]
 
 

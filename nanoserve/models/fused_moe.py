@@ -15,8 +15,9 @@ Each expert with tokens is read once per tile column, so at batch 1 a layer read
 
 Tiles come per batch band from a config file per GPU (moe_configs/<device name>.json, written by
 tools/tune_moe.py), else from `default_tiles`. The sort runs as one Triton program for decode's
-pair counts (a dozen torch ops would cost more than the experts at batch 1) and as torch ops for
-prefill's (sort_pairs_reference, also the CPU's and the tests' reference).
+pair counts (a dozen torch ops would cost more than the experts at batch 1) and as three kernels
+over blocks of pairs for prefill's; sort_pairs_reference (torch ops) is the CPU's and the tests'
+reference.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoserve.models.moe_tiles import MoETiles, padded_sizes, sort_pairs_reference, tiles_for
 
-ONE_PROGRAM_SORT_MAX = 1024  # pairs sorted by one Triton program; more: torch ops
+ONE_PROGRAM_SORT_MAX = 1024  # pairs sorted by one Triton program; more: blocks of them
 
 
 @triton.jit
@@ -70,13 +71,122 @@ def _sort_pairs_kernel(Ids, Scratch, SortedPairs, TileExpert, P, E, ROWS, TILES,
     tl.store(TileExpert + dest // BLOCK_M, expert, mask=live & (rank % BLOCK_M == 0))
 
 
+# Beyond ONE_PROGRAM_SORT_MAX pairs (prefill), three kernels over blocks of SORT_BLOCK pairs:
+# each block sorts its own pairs (as the one-program sort does) and counts them per expert;
+# one program turns the counts into each (block, expert)'s first row; each block scatters its
+# pairs there. Pairs stay in order within an expert, as in sort_pairs_reference. Every size
+# runs on one compiled set (the torch ops it replaces cost 0.7 ms of host time a layer).
+SORT_BLOCK = 1024
+_BASES_CHUNK = 32  # blocks a step of the one-program scan
+
+
+@triton.jit(do_not_specialize=["P", "ROWS", "TILES"])
+def _block_ranks_kernel(Ids, Scratch, Counts, Ranks, SortedPairs, TileExpert, P, E, ROWS, TILES,
+                        BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A block's pairs: each one's rank among the block's pairs of its expert (Ranks, in pair
+    order), the block's count per expert (Counts [blocks, E]); and the block's share of the
+    layout filled with padding (SortedPairs P, TileExpert E), before the scatter writes it."""
+    blk = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    pair = blk * BLOCK + offs
+    live = pair < P
+    expert = tl.load(Ids + pair, mask=live, other=0).to(tl.int32)
+    key = tl.sort(tl.where(live, expert * BLOCK + offs, E * BLOCK + offs))
+    expert, local = key // BLOCK, key % BLOCK
+    live = expert < E
+    scratch = Scratch + blk * (BLOCK + 2)
+    tl.store(scratch + 1 + offs, expert)
+    tl.store(scratch, -1)
+    tl.store(scratch + 1 + BLOCK, E + 1)
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(Counts + blk * E + experts, tl.zeros([BLOCK_E], tl.int32), mask=experts < E)
+    stride = tl.num_programs(0) * BLOCK
+    for r in range(blk * BLOCK, ROWS, stride):
+        tl.store(SortedPairs + r + offs, tl.zeros([BLOCK], tl.int32) + P, mask=r + offs < ROWS)
+    for t in range(blk * BLOCK, TILES, stride):
+        tl.store(TileExpert + t + offs, tl.zeros([BLOCK], tl.int32) + E, mask=t + offs < TILES)
+    tl.debug_barrier()
+    before = tl.load(scratch + offs)
+    after = tl.load(scratch + 2 + offs)
+    rank = offs - tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
+    tl.store(Ranks + blk * BLOCK + local, rank, mask=live)
+    tl.store(Counts + blk * E + expert, rank + 1, mask=live & (expert != after))
+
+
+@triton.jit
+def _expert_bases_kernel(Counts, Bases, ExpertStart, NUM_BLOCKS, E, BLOCK_M: tl.constexpr,
+                         BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: each expert's first row (its rows padded to whole tiles, experts in order)
+    and each (block, expert)'s first row, Bases [blocks, E] (the blocks in order)."""
+    experts = tl.arange(0, BLOCK_E)
+    e_ok = experts < E
+    rows = tl.arange(0, CHUNK)
+    total = tl.zeros([BLOCK_E], tl.int32)
+    for b in range(0, NUM_BLOCKS, CHUNK):
+        ok = ((b + rows) < NUM_BLOCKS)[:, None] & e_ok[None, :]
+        total += tl.sum(tl.load(Counts + (b + rows)[:, None] * E + experts[None, :], mask=ok,
+                                other=0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    tl.store(ExpertStart + experts, start, mask=e_ok)
+    carry = start
+    for b in range(0, NUM_BLOCKS, CHUNK):
+        ok = ((b + rows) < NUM_BLOCKS)[:, None] & e_ok[None, :]
+        at = (b + rows)[:, None] * E + experts[None, :]
+        c = tl.load(Counts + at, mask=ok, other=0)
+        tl.store(Bases + at, tl.cumsum(c, axis=0) - c + carry[None, :], mask=ok)
+        carry += tl.sum(c, axis=0)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _scatter_pairs_kernel(Ids, Ranks, Bases, ExpertStart, SortedPairs, TileExpert, P, E,
+                          BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    blk = tl.program_id(0)
+    pair = blk * BLOCK + tl.arange(0, BLOCK)
+    live = pair < P
+    expert = tl.load(Ids + pair, mask=live, other=0).to(tl.int32)
+    dest = tl.load(Bases + blk * E + expert, mask=live, other=0) + \
+        tl.load(Ranks + pair, mask=live, other=0)
+    tl.store(SortedPairs + dest, pair, mask=live)
+    first = (dest - tl.load(ExpertStart + expert, mask=live, other=0)) % BLOCK_M == 0
+    tl.store(TileExpert + dest // BLOCK_M, expert, mask=live & first)
+
+
+def _sort_pairs_blocked(ids: torch.Tensor, num_experts: int, block_m: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = ids.numel()
+    rows, tiles = padded_sizes(pairs, num_experts, block_m)
+    blocks = triton.cdiv(pairs, SORT_BLOCK)
+    dev = ids.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    scratch = torch.empty(blocks * (SORT_BLOCK + 2), **i32)
+    counts = torch.empty(blocks, num_experts, **i32)
+    ranks = torch.empty(pairs, **i32)
+    bases = torch.empty(blocks, num_experts, **i32)
+    expert_start = torch.empty(num_experts, **i32)
+    sorted_pairs = torch.empty(rows, **i32)
+    tile_expert = torch.empty(tiles, **i32)
+    block_e = triton.next_power_of_2(num_experts)
+    _block_ranks_kernel[(blocks,)](ids, scratch, counts, ranks, sorted_pairs, tile_expert, pairs,
+                                   num_experts, rows, tiles, BLOCK=SORT_BLOCK, BLOCK_E=block_e,
+                                   num_warps=8)
+    _expert_bases_kernel[(1,)](counts, bases, expert_start, blocks, num_experts, BLOCK_M=block_m,
+                               BLOCK_E=block_e, CHUNK=_BASES_CHUNK, num_warps=4)
+    _scatter_pairs_kernel[(blocks,)](ids, ranks, bases, expert_start, sorted_pairs, tile_expert,
+                                     pairs, num_experts, BLOCK=SORT_BLOCK, BLOCK_M=block_m,
+                                     num_warps=4)
+    return sorted_pairs, tile_expert
+
+
 def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sort_pairs_reference's result: one Triton program for up to ONE_PROGRAM_SORT_MAX pairs
-    (CUDA), torch ops beyond."""
+    """sort_pairs_reference's result on CUDA: one Triton program for up to
+    ONE_PROGRAM_SORT_MAX pairs (decode), three kernels over blocks of pairs beyond."""
     pairs = ids.numel()
-    if not ids.is_cuda or pairs > ONE_PROGRAM_SORT_MAX:
+    if not ids.is_cuda:
         return sort_pairs_reference(ids, num_experts, block_m)
+    if pairs > ONE_PROGRAM_SORT_MAX:
+        return _sort_pairs_blocked(ids, num_experts, block_m)
     rows, tiles = padded_sizes(pairs, num_experts, block_m)
     block_p = triton.next_power_of_2(pairs)
     scratch = torch.empty(block_p + 2, dtype=torch.int32, device=ids.device)
