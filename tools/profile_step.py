@@ -125,6 +125,28 @@ def device_timeline(events: list[dict], start: float, end: float, origin: float)
               f"{e['name'][:70]}")
 
 
+def idle_gaps(prof, top: int) -> None:
+    """Where the GPU waits: the gaps between consecutive kernels (and copies) over 20 us, their
+    sum, and the longest ones with the kernels on either side (host-bound stretches show as
+    many gaps; a synchronization as one long one)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    work = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gaps, end = [], work[0][1]
+    for (start, stop, name), (_, _, before) in zip(work[1:], work[:-1], strict=True):
+        if start - end > 20:
+            gaps.append((start - end, before, name))
+        end = max(end, stop)
+    span = work[-1][1] - work[0][0]
+    print(f"\n   GPU idle in gaps over 20 us: {sum(g[0] for g in gaps) / 1e3:.1f} ms of "
+          f"{span / 1e3:.1f} ms, {len(gaps)} gaps")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"    {gap / 1e3:8.2f} ms after {before[:60]}  before {after[:60]}")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -205,6 +227,7 @@ def main() -> None:
             prof, n, wall = profiled_steps(engine, None, python=python)
             report(f"prefill, {batch} x {ctx} tokens", prof, 1, wall, args.top)
             print(f"    ({n} chunk steps)")
+            idle_gaps(prof, args.top)
             if python is not None:
                 stats = pstats.Stats(python)
                 stats.sort_stats("tottime").print_stats(args.top * 2)
