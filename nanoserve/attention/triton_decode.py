@@ -123,14 +123,16 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
     return tl.expand_dims(x, 1 if TRANSPOSED else 0)
 
 
-# The split count is a function of the batch size (num_splits_for): a runtime argument, left
-# unspecialized with the strides that scale with it, so that one compiled kernel serves every
-# batch size (the eager decode rows of mixed steps come in any number: as constants, each new
-# count compiled two kernels inside a request, 20 of them in a 32 x 4,096 prefill)
+# What differs between a decode graph's buffers and an eager step's tensors is left
+# unspecialized, so that one compiled kernel serves both: the split count (a function of the
+# batch size: num_splits_for) with the strides that scale with it, and the page table's width.
+# The eager decode rows of mixed steps come in any number and width; as specialized values each
+# new one compiled kernels inside a request (20 of them, about 4 s, in a 32 x 4,096 prefill)
 _SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
+_MERGE_SPLITS = 16  # splits the merge kernel reads a step: one compiled merge for every count
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_pt"])
 def _decode_split_kernel(
     Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh,
@@ -270,32 +272,40 @@ def _merge_splits_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EXTRA: tl.constexpr,
 ):
-    """EXTRA: one more partial, contiguous [batch, heads, d] float32 and [batch, heads] (the
-    CPU's share of the row's tokens)."""
+    """The splits BLOCK_S at a time, each step's weights rescaled to the running maximum of
+    the log-sum-exps. EXTRA: one more partial, contiguous [batch, heads, d] float32 and
+    [batch, heads] (the CPU's share of the row's tokens)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
+    m = tl.full([], float("-inf"), tl.float32)
+    w_sum = tl.zeros([], tl.float32)
+    o_sum = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_splits
+        lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
+                      other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - safe_m)
+        w = tl.exp(lse - safe_m)
+        o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                    + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        o_sum = o_sum * rescale + tl.sum(o * w[:, None], 0)
+        w_sum = w_sum * rescale + tl.sum(w, 0)
+        m = m_new
     if EXTRA:
         heads = tl.num_programs(1)
         x_lse = tl.load(ExtraLse + b * heads + h)
-        m = tl.maximum(m, x_lse)
-    safe_m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - safe_m)
-    w_sum = tl.sum(w, 0)
-    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
-                + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    o_sum = tl.sum(o * w[:, None], 0)
-    if EXTRA:
+        m_new = tl.maximum(m, x_lse)
+        safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - safe_m)
         x_w = tl.exp(x_lse - safe_m)
         x_o = tl.load(ExtraO + (b * heads + h) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        o_sum += x_o * x_w
-        w_sum += x_w
+        o_sum = o_sum * rescale + x_o * x_w
+        w_sum = w_sum * rescale + x_w
     out = o_sum / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_mask)
@@ -421,7 +431,7 @@ def merge_partials(parts: Partials, out: torch.Tensor,
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_S=triton.next_power_of_2(num_splits), EXTRA=extra is not None, num_warps=4,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=_MERGE_SPLITS,
+        EXTRA=extra is not None, num_warps=4,
     )
     return out
