@@ -247,3 +247,20 @@ def test_shipped_configs_build_with_dummy_weights():
         cfg = ModelConfig.from_dir(resolve_model_dir(name, dummy_weights=True))
         assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (layers, kv_heads, head_dim)
     assert ModelConfig.from_dir(resolve_model_dir("Qwen/Qwen3-4B", True)).tie_word_embeddings
+
+
+def test_uploaded_step_arrays_start_on_16_byte_boundaries():
+    """Triton specializes kernels on 16-byte aligned pointers (a graph's own buffers are):
+    every uploaded array must start on one, whatever the sizes before it, with its values."""
+    import numpy as np
+
+    from nanoserve.engine.step_inputs import upload
+
+    arrays = {"a": np.arange(3, dtype=np.int32), "b": np.arange(5, dtype=np.int64),
+              "c": np.arange(7, dtype=np.int32).reshape(7, 1), "d": np.zeros(0, np.int32),
+              "e": np.arange(1, dtype=np.int32)}
+    out = upload(arrays, torch.device("cpu"), pin=False)
+    base = out["a"].data_ptr()
+    for name, a in arrays.items():
+        assert (out[name].data_ptr() - base) % 16 == 0, name
+        assert out[name].shape == a.shape and out[name].tolist() == a.tolist(), name
