@@ -322,33 +322,41 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
 
 
-@triton.jit
-def _route_kernel(Logits, Weights, Ids, E, stride_l, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
-    """One token: the softmax over its router logits in fp32, its top k (the lowest id among
-    equal logits first), their probabilities renormalized to sum 1 when NORMALIZE."""
-    t = tl.program_id(0)
+ROUTE_TOKENS = 16  # tokens a program of the router kernel
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(Logits, Weights, Ids, T, E, stride_l, TOP_K: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+    """BLOCK_T tokens: each one's softmax over its router logits in fp32, its top k (the
+    lowest id among equal logits first), their probabilities renormalized to sum 1 when
+    NORMALIZE."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
     offs = tl.arange(0, BLOCK_E)
-    logits = tl.load(Logits + t * stride_l + offs, mask=offs < E,
+    logits = tl.load(Logits + rows[:, None] * stride_l + offs[None, :],
+                     mask=row_ok[:, None] & (offs < E)[None, :],
                      other=float("-inf")).to(tl.float32)
-    top = tl.max(logits, axis=0)
-    total = tl.sum(tl.exp(logits - top), axis=0)
-    picked = tl.zeros([BLOCK_E], tl.int1)
-    chosen_sum = 0.0
+    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    total = tl.sum(exps, axis=1)
+    picked = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
+    chosen_sum = tl.zeros([BLOCK_T], tl.float32)
     for _ in tl.static_range(TOP_K):
-        best = tl.argmax(tl.where(picked, float("-inf"), logits), axis=0)
-        picked = picked | (offs == best)
-        chosen_sum += tl.sum(tl.where(offs == best, tl.exp(logits - top), 0.0), axis=0)
+        best = tl.argmax(tl.where(picked, float("-inf"), logits), axis=1)
+        hit = offs[None, :] == best[:, None]
+        picked = picked | hit
+        chosen_sum += tl.sum(tl.where(hit, exps, 0.0), axis=1)
     # weights in the order chosen: a second pass over the k picks, as stored
-    chosen = tl.zeros([BLOCK_E], tl.int1)
+    chosen = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
     for slot in tl.static_range(TOP_K):
-        best = tl.argmax(tl.where(chosen, float("-inf"), logits), axis=0)
-        chosen = chosen | (offs == best)
-        prob = tl.sum(tl.where(offs == best, tl.exp(logits - top), 0.0), axis=0) / total
+        best = tl.argmax(tl.where(chosen, float("-inf"), logits), axis=1)
+        hit = offs[None, :] == best[:, None]
+        chosen = chosen | hit
+        prob = tl.sum(tl.where(hit, exps, 0.0), axis=1) / total
         if NORMALIZE:
             prob = prob / (chosen_sum / total)
-        tl.store(Weights + t * TOP_K + slot, prob.to(Weights.dtype.element_ty))
-        tl.store(Ids + t * TOP_K + slot, best.to(tl.int64))
+        tl.store(Weights + rows * TOP_K + slot, prob.to(Weights.dtype.element_ty), mask=row_ok)
+        tl.store(Ids + rows * TOP_K + slot, best.to(tl.int64), mask=row_ok)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -359,6 +367,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=logits.dtype, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
-                        BLOCK_E=triton.next_power_of_2(e), NORMALIZE=norm_topk_prob)
+    _route_kernel[(triton.cdiv(t, ROUTE_TOKENS),)](
+        logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=ROUTE_TOKENS,
+        BLOCK_E=triton.next_power_of_2(e), NORMALIZE=norm_topk_prob)
     return weights, ids
