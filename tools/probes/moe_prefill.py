@@ -47,16 +47,22 @@ def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
             fn(xs[j], *routed[j], *ws[j][1:])
         return median_ms(once, reps=20, warmup=2)
 
+    split = {}  # the last candidate's gate_up and down kernels, us a call
+
     def kernels_ms(fn) -> float:
-        """Device time of fn's kernels a call (eager timing counts the host's launches too)."""
+        """Device time of fn's kernels a call (eager timing counts the host's launches too);
+        `split`: the fused path's gate_up and down GEMMs (they alternate) apart."""
         fn(xs[0], *routed[0], *ws[0][1:])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for j in range(2 * LAYERS):
                 fn(xs[j % LAYERS], *routed[j % LAYERS], *ws[j % LAYERS][1:])
             torch.cuda.synchronize()
-        return sum(e.device_time for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / (2 * LAYERS)
+        kernels = sorted((e.time_range.start, e.name, e.device_time) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        gemms = [us for _, name, us in kernels if name == "_moe_gemm_kernel"]
+        split.update(gate_up=sum(gemms[0::2]) / (2 * LAYERS), down=sum(gemms[1::2]) / (2 * LAYERS))
+        return sum(us for _, _, us in kernels) / 1e3 / (2 * LAYERS)
 
     rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
             for c in candidates(base)}
@@ -70,8 +76,13 @@ def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
             print(f"  {name:<48} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         tf = flops / dev / 1e9
-        print(f"  {name:<48} {ms * 1e3:8.1f} us eager, kernels {dev * 1e3:8.1f} us "
-              f"{tf:6.0f} TFLOP/s ({tf / rate:.0%})")
+        parts = ""
+        if split["gate_up"]:  # the fused path: gate_up has 2/3 of the FLOPs, down 1/3
+            gu, dn = split["gate_up"], split["down"]
+            parts = f"; gate_up {gu:.0f} us ({flops * 2 / 3 / gu / 1e6 / rate:.0%}), down " \
+                    f"{dn:.0f} us ({flops / 3 / dn / 1e6 / rate:.0%})"
+        print(f"  {name:<44} {ms * 1e3:7.1f} us eager, kernels {dev * 1e3:7.1f} us "
+              f"{tf:4.0f} TFLOP/s ({tf / rate:.0%}){parts}")
     sort = lambda x, w, ids, gu, d: fused_moe.sort_pairs(ids, E, base.block_m)  # noqa: E731
     out = torch.empty(t * K, H, device="cuda", dtype=torch.bfloat16)
     sum_ms = median_ms(lambda: out.view(t, K, H).sum(dim=1), reps=20)
