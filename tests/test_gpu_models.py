@@ -191,43 +191,16 @@ def test_capturable_moe_paths_in_bf16_as_close_to_fp32_as_the_loop(tokens, path)
     assert rel(got) < 1.5 * rel(loop) + 1e-3, (rel(got), rel(loop))
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@torch.inference_mode()
-def test_the_unsorted_path_of_one_or_two_tokens_against_the_twin(tokens, dtype):
-    """Decode at batch 1-2 runs the experts unsorted (two kernels, the sum over k in the down
-    kernel): within bf16 rounding of the float64 twin (float32: 1e-5), as the sorted path is,
-    and the sorted path's result within two bf16 rounding steps of it (each path rounds its
-    per-expert outputs once, after fp32 sums in different orders)."""
-    from nanoserve.models import fused_moe, moe_tiles
-    block = _a3b_block(tokens).to(dtype)
-    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
-    x = torch.randn(tokens, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(3)
-                    ).to(dtype)
-    weights, ids = moe.route(x, block.gate.weight, 8, True)
-    twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids,
-                                             gate_up.double(), down.double(), 16)
-    got = fused_moe.experts_fused(x, weights, ids, gate_up, down)
-    sorted_ = fused_moe.experts_fused(x, weights, ids, gate_up, down,
-                                      moe_tiles.default_tiles(tokens * 8))
-    err = ((got.double() - twin).norm() / twin.norm()).item()
-    assert err < (8e-3 if dtype == torch.bfloat16 else 1e-5), err
-    step = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5
-    assert ((got.double() - sorted_.double()).abs() <=
-            step * sorted_.double().abs().clamp(min=1e-2)).all()
-
-
-@pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("path", ["fused", "grouped", "gather"])
 @torch.inference_mode()
-def test_moe_layer_replays_in_a_cuda_graph(path, tokens):
+def test_moe_layer_replays_in_a_cuda_graph(path):
     """No host sync and static shapes: the layer captures, and replaying it on new inputs gives
-    what eager gives on them (one token: the fused path's unsorted kernels)."""
+    what eager gives on them."""
     if path == "grouped" and not moe.fast_grouped_mm(torch.device("cuda"), torch.bfloat16):
         pytest.skip("no fast grouped GEMM on this GPU")
     block = _a3b_block().to(torch.bfloat16)
     block.backend = path
-    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
     block(x)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

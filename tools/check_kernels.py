@@ -166,7 +166,7 @@ def quant_cases():
 def moe_cases():
     """The fused MoE kernels at Qwen3-30B-A3B's widths: the one-program and blocked sorts, the
     grouped GEMMs (on the CPU the sort runs as torch ops) in bf16 and in float32's full
-    precision, their weights through TMA too, and the unsorted path of one token."""
+    precision, their weights through TMA too."""
     from nanoserve.models import fused_moe
     from nanoserve.models.moe_tiles import MoETiles, padded_sizes
 
@@ -184,12 +184,6 @@ def moe_cases():
             True)
     many = torch.zeros(4096, k, dtype=torch.int64)
     yield "fused MoE: the blocked sort", lambda: fused_moe._sort_pairs_blocked(many, experts, 128)
-    for dtype in (torch.bfloat16, torch.float32):
-        yield f"fused MoE experts unsorted (1 token), {dtype}", \
-            lambda dtype=dtype: fused_moe.experts_fused(
-                torch.zeros(1, hidden, dtype=dtype), torch.ones(1, k, dtype=dtype), ids[:1],
-                torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
-                torch.zeros(experts, hidden, inter, dtype=dtype))
     for dtype, tiles in itertools.product((torch.bfloat16, torch.float32),
                                           (MoETiles(16, 32, 128, 4, 4),
                                            MoETiles(128, 128, 64, 8, 3),

@@ -270,88 +270,6 @@ def _moe_gemm_kernel(A, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
     tl.store(c_at, out.to(C.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
 
 
-# Up to DIRECT_TOKENS tokens (decode at batch 1-2) the pairs are not sorted: each program of
-# gate_up reads one pair's expert rows, each program of down one token's k experts' rows and sums
-# their weighted outputs itself, so neither the sort nor the sum over k runs (two of a layer's
-# five kernels). An expert two tokens share is read twice, which beyond two tokens costs more
-# than the kernels saved.
-DIRECT_TOKENS = 2
-_DIRECT_N, _DIRECT_K = 32, 256  # gate_up's outputs and inputs a step (down: half the outputs)
-
-
-@triton.jit
-def _pair_gate_up_kernel(X, GateUp, Mid, Ids, N, K, TOP_K, stride_xm, stride_e, stride_n,
-                         stride_mm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Mid[pair, n] = silu(gate) * up over one pair's expert, rounded where the sorted path's
-    kernel rounds (CUDA-core products: one row)."""
-    pair = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    expert = tl.load(Ids + pair).to(tl.int64)
-    x_at = X + (pair // TOP_K) * stride_xm + offs_k
-    w_at = GateUp + expert * stride_e + offs_n[:, None].to(tl.int64) * stride_n + offs_k[None, :]
-    gate = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k
-        x = tl.load(x_at + k, mask=k_ok, other=0.0).to(tl.float32)
-        mask = n_ok[:, None] & k_ok[None, :]
-        gate += tl.sum(tl.load(w_at + k, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
-        up += tl.sum(tl.load(w_at + N * stride_n + k, mask=mask, other=0.0).to(tl.float32) *
-                     x[None, :], 1)
-    gate = gate.to(Mid.dtype.element_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(Mid.dtype.element_ty)
-    tl.store(Mid + pair * stride_mm + offs_n, silu * up.to(Mid.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _token_down_kernel(Mid, Down, Out, Weights, Ids, N, K, stride_mm, stride_e, stride_n,
-                       stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """Out[t, n]: token t's k experts' down rows times their pairs' Mid rows, each weighted
-    and rounded to Out's dtype, summed in fp32 in slot order and rounded once (as the sorted
-    path's down kernel then its sum over k)."""
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = t * TOP_K + slot
-        expert = tl.load(Ids + pair).to(tl.int64)
-        w_at = Down + expert * stride_e + offs_n[:, None].to(tl.int64) * stride_n + \
-            offs_k[None, :]
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k
-            m = tl.load(Mid + pair * stride_mm + k + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_at + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * m.to(tl.float32)[None, :], 1)
-        weight = tl.load(Weights + pair).to(tl.float32)
-        total += (acc * weight).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + t * stride_om + offs_n, total.to(Out.dtype.element_ty), mask=n_ok)
-
-
-def _experts_direct(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    t, k = ids.shape
-    _, inter2, hidden = gate_up.shape
-    inter = inter2 // 2
-    x, ids = x.contiguous(), ids.contiguous()
-    flat_weights = weights.reshape(-1).contiguous()
-    mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, _DIRECT_N))](
-        x, gate_up, mid, ids, inter, hidden, k, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), mid.stride(0), BLOCK_N=_DIRECT_N, BLOCK_K=_DIRECT_K, num_warps=4)
-    _token_down_kernel[(t, triton.cdiv(hidden, _DIRECT_N // 2))](
-        mid, down, out, flat_weights, ids, hidden, inter, mid.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), TOP_K=k, BLOCK_N=_DIRECT_N // 2, BLOCK_K=_DIRECT_K,
-        num_warps=4)
-    return out
-
-
 def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, tiles: MoETiles | None = None,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -359,14 +277,11 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """The experts' weighted sum for tokens x [T, H] routed to ids [T, k] with weights [T, k]:
     gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts). FP8 experts: e4m3 stacks
     with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
-    tiles (x is not quantized). Unquantized experts, without `tiles`, at up to DIRECT_TOKENS
-    tokens: the pairs unsorted (_experts_direct)."""
+    tiles (x is not quantized)."""
     t, k = ids.shape
     num_experts, inter2, hidden = gate_up.shape
     inter = inter2 // 2
     pairs = t * k
-    if tiles is None and scales is None and t <= DIRECT_TOKENS:
-        return _experts_direct(x, weights, ids, gate_up.contiguous(), down.contiguous())
     if tiles is None:
         tiles = tiles_for(pairs, num_experts, hidden, inter, x.device)
     if x.dtype == torch.float32:  # the tiles are measured in bf16; float32's operands take
