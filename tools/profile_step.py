@@ -5,9 +5,10 @@ trace of the engine's own steps (dummy weights, the shipped Qwen3-8B config by d
 
 Prefill: the whole prompt's steps (every chunk; BATCHxTOKENS: that many prompts at once, the
 first ones decoding in mixed steps while the later ones prefill, as the bench's TTFT runs them).
-Decode: 10 steps after warm-up, as the engine
-runs them (graphs unless --enforce-eager). Times are kernel times summed per category and
-divided by the number of steps; "wall" is the host's time per step.
+Decode: 10 steps after warm-up, as the engine runs them (graphs unless --enforce-eager). Times
+are kernel times summed per category and divided by the number of steps; "wall" is the host's
+time per step. Prefill also lists where the GPU idles, and with --python the host's heaviest
+Python functions (cProfile).
 """
 
 from __future__ import annotations
