@@ -94,10 +94,10 @@ def test_cuda_runs_the_fused_path():
 @torch.inference_mode()
 def test_fused_kernels_against_their_float64_twin(tokens, case):
     """The Triton sort equals the torch one exactly (up to 128 tokens it runs as one program,
-    beyond as torch ops); the fused kernels' bf16 result is within bf16 rounding of the float64
-    tile-by-tile twin on the same bf16 weights, at top-8 over 128 experts, with experts no
-    token routes to and with every token on one expert; with the weights' tiles loaded through
-    TMA too."""
+    beyond as three kernels over blocks of pairs); the fused kernels' bf16 result is within
+    bf16 rounding of the float64 tile-by-tile twin on the same bf16 weights, at top-8 over 128
+    experts, with experts no token routes to and with every token on one expert; with the
+    weights' tiles loaded through TMA too."""
     from nanoserve.models import fused_moe, moe_tiles
     experts, top_k, hidden = 128, 8, 2048
     g = torch.Generator().manual_seed(tokens)
@@ -145,6 +145,43 @@ def test_the_blocked_sort_equals_torchs_at_prefill_sizes(tokens, one_expert):
         got = fused_moe.sort_pairs(ids, 128, block_m)
         ref = moe_tiles.sort_pairs_reference(ids, 128, block_m)
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), block_m
+
+
+@pytest.mark.parametrize("inter", [192, 96])
+@torch.inference_mode()
+def test_tma_tiles_past_the_edges_of_the_experts(inter):
+    """Weights through TMA where the tiles overrun the experts: 192 or 96 intermediate rows in
+    128-column tiles (gate's last tile reads into up's rows, up's past the expert: zeros),
+    200 inputs in 64-wide steps (a zero-filled tail), 60 experts. Within bf16 rounding of the
+    float64 twin, as the pointer loads are."""
+    from nanoserve.models import fused_moe, moe_tiles
+    experts, hidden, tokens = 60, 200, 300
+    g = torch.Generator("cuda").manual_seed(inter)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.05
+               ).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    router = torch.randn(experts, hidden, device="cuda", generator=g).bfloat16()
+    weights, ids = moe.route(x, router, 8, True)
+    twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids,
+                                             gate_up.double(), down.double(), 128)
+    for tma in (False, True):
+        tiles = moe_tiles.MoETiles(128, 128, 64, 8, 3, tma)
+        got = fused_moe.experts_fused(x, weights, ids, gate_up, down, tiles).double()
+        assert ((got - twin).norm() / twin.norm()).item() < 8e-3, tma
+
+
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_the_blocked_sort_with_most_experts_empty(block_m):
+    """60 experts, the 3,000 tokens' 24,000 pairs on 9 of them: the blocked sort's layout
+    equals torch's, the empty experts taking no rows and no tiles."""
+    from nanoserve.models import fused_moe, moe_tiles
+    g = torch.Generator(device="cuda").manual_seed(block_m)
+    ids = torch.rand(3000, 9, device="cuda", generator=g).argsort(-1)[:, :8] * 7 % 60
+    got = fused_moe.sort_pairs(ids, 60, block_m)
+    ref = moe_tiles.sort_pairs_reference(ids, 60, block_m)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert ref[1].unique().numel() == 10  # nine experts' tiles and the unused ones' (60)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 4096])

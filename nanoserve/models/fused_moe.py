@@ -113,7 +113,7 @@ def _block_ranks_kernel(Ids, Scratch, Counts, Ranks, SortedPairs, TileExpert, P,
     tl.store(Counts + blk * E + expert, rank + 1, mask=live & (expert != after))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_BLOCKS"])
 def _expert_bases_kernel(Counts, Bases, ExpertStart, NUM_BLOCKS, E, BLOCK_M: tl.constexpr,
                          BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """One program: each expert's first row (its rows padded to whole tiles, experts in order)
@@ -302,7 +302,11 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     # float32 in full precision (tests, references), not tf32
-    tma = tiles.tma and scales is None and x.dtype in (torch.bfloat16, torch.float16)
+    # TMA: half precision, rows of whole 16-byte units from 16-byte aligned stacks (else the
+    # descriptor refuses them: the pointer loads run instead)
+    tma = tiles.tma and scales is None and x.dtype in (torch.bfloat16, torch.float16) and \
+        hidden % 8 == 0 and inter % 8 == 0 and \
+        all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
     meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, B_TMA=tma,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
@@ -322,7 +326,7 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
 
 
-ROUTE_TOKENS = 16  # tokens a program of the router kernel
+ROUTE_TOKENS = 16  # tokens a program of the router kernel (fewer beyond 128 experts)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -367,7 +371,9 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=logits.dtype, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    _route_kernel[(triton.cdiv(t, ROUTE_TOKENS),)](
-        logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=ROUTE_TOKENS,
-        BLOCK_E=triton.next_power_of_2(e), NORMALIZE=norm_topk_prob)
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(ROUTE_TOKENS, 2048 // block_e))  # [tokens, experts] within registers
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=block_t,
+        BLOCK_E=block_e, NORMALIZE=norm_topk_prob)
     return weights, ids
