@@ -37,36 +37,43 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def _sort_by_expert(Ids, Scratch, first, P, E, BLOCK: tl.constexpr):
+    """Pairs first .. first + BLOCK - 1, sorted by expert with pairs in order within one: each
+    sorted pair's expert (E past P), its index within the block, its rank among its expert's
+    pairs, and whether it ends its expert's run. Scratch: this program's BLOCK + 2 ints (each
+    pair's neighbours in sorted order pass through memory). The barrier inside orders every
+    store the program made before the call before every one after it."""
+    offs = tl.arange(0, BLOCK)
+    live = first + offs < P
+    expert = tl.load(Ids + first + offs, mask=live, other=0).to(tl.int32)
+    key = tl.sort(tl.where(live, expert * BLOCK + offs, E * BLOCK + offs))
+    expert, local = key // BLOCK, key % BLOCK
+    tl.store(Scratch + 1 + offs, expert)
+    tl.store(Scratch, -1)
+    tl.store(Scratch + 1 + BLOCK, E + 1)
+    tl.debug_barrier()
+    before = tl.load(Scratch + offs)
+    after = tl.load(Scratch + 2 + offs)
+    rank = offs - tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
+    return expert, local, rank, expert != after
+
+
 @triton.jit(do_not_specialize=["P", "ROWS", "TILES"])
 def _sort_pairs_kernel(Ids, Scratch, SortedPairs, TileExpert, P, E, ROWS, TILES,
                        BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                        BLOCK_TILES: tl.constexpr, BLOCK_M: tl.constexpr):
-    # One program. Keys expert * BLOCK_P + pair sort to expert order, pairs in order within it.
-    offs = tl.arange(0, BLOCK_P)
-    live = offs < P
-    expert = tl.load(Ids + offs, mask=live, other=0).to(tl.int32)
-    key = tl.where(live, expert * BLOCK_P + offs, E * BLOCK_P + offs)
-    key = tl.sort(key)
-    expert, pair = key // BLOCK_P, key % BLOCK_P
-    live = expert < E
-    # neighbours in sorted order, through memory: where each expert's run starts and ends
-    tl.store(Scratch + 1 + offs, expert)
-    tl.store(Scratch, -1)
-    tl.store(Scratch + 1 + BLOCK_P, E + 1)
+    # One program: the layout filled with padding, then each pair stored at its row
     rows = tl.arange(0, BLOCK_ROWS)
     tl.store(SortedPairs + rows, tl.zeros([BLOCK_ROWS], tl.int32) + P, mask=rows < ROWS)
     tiles = tl.arange(0, BLOCK_TILES)
     tl.store(TileExpert + tiles, tl.zeros([BLOCK_TILES], tl.int32) + E, mask=tiles < TILES)
-    tl.debug_barrier()
-    before = tl.load(Scratch + offs)
-    after = tl.load(Scratch + 2 + offs)
-    run_start = tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
-    rank = offs - run_start
+    expert, pair, rank, run_end = _sort_by_expert(Ids, Scratch, 0, P, E, BLOCK_P)
+    live = expert < E
     count = rank + 1
     # padding of the runs before each pair: each run's own, added at its last pair
-    pad = tl.where(live & (expert != after),
-                   (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count, 0)
-    dest = offs + tl.cumsum(pad, axis=0) - pad
+    pad = tl.where(live & run_end, (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count, 0)
+    dest = tl.arange(0, BLOCK_P) + tl.cumsum(pad, axis=0) - pad
     tl.store(SortedPairs + dest, pair, mask=live)
     tl.store(TileExpert + dest // BLOCK_M, expert, mask=live & (rank % BLOCK_M == 0))
 
@@ -88,16 +95,6 @@ def _block_ranks_kernel(Ids, Scratch, Counts, Ranks, SortedPairs, TileExpert, P,
     layout filled with padding (SortedPairs P, TileExpert E), before the scatter writes it."""
     blk = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    pair = blk * BLOCK + offs
-    live = pair < P
-    expert = tl.load(Ids + pair, mask=live, other=0).to(tl.int32)
-    key = tl.sort(tl.where(live, expert * BLOCK + offs, E * BLOCK + offs))
-    expert, local = key // BLOCK, key % BLOCK
-    live = expert < E
-    scratch = Scratch + blk * (BLOCK + 2)
-    tl.store(scratch + 1 + offs, expert)
-    tl.store(scratch, -1)
-    tl.store(scratch + 1 + BLOCK, E + 1)
     experts = tl.arange(0, BLOCK_E)
     tl.store(Counts + blk * E + experts, tl.zeros([BLOCK_E], tl.int32), mask=experts < E)
     stride = tl.num_programs(0) * BLOCK
@@ -105,12 +102,11 @@ def _block_ranks_kernel(Ids, Scratch, Counts, Ranks, SortedPairs, TileExpert, P,
         tl.store(SortedPairs + r + offs, tl.zeros([BLOCK], tl.int32) + P, mask=r + offs < ROWS)
     for t in range(blk * BLOCK, TILES, stride):
         tl.store(TileExpert + t + offs, tl.zeros([BLOCK], tl.int32) + E, mask=t + offs < TILES)
-    tl.debug_barrier()
-    before = tl.load(scratch + offs)
-    after = tl.load(scratch + 2 + offs)
-    rank = offs - tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
+    expert, local, rank, run_end = _sort_by_expert(Ids, Scratch + blk * (BLOCK + 2),
+                                                   blk * BLOCK, P, E, BLOCK)
+    live = expert < E
     tl.store(Ranks + blk * BLOCK + local, rank, mask=live)
-    tl.store(Counts + blk * E + expert, rank + 1, mask=live & (expert != after))
+    tl.store(Counts + blk * E + expert, rank + 1, mask=live & run_end)
 
 
 @triton.jit(do_not_specialize=["NUM_BLOCKS"])
