@@ -58,6 +58,14 @@ __device__ __forceinline__ uint32_t permute(uint32_t a, uint32_t b, uint32_t sel
   return out;
 }
 
+// an 8 x 8 matrix of 16-bit values, each lane holding row lane / 4's elements 2 (lane % 4) and
+// 2 (lane % 4) + 1, returned as the same fragment of its transpose
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t out;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(x));
+  return out;
+}
+
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -123,6 +131,24 @@ struct TileSource {
   const float* ks_head;
   const float* vs_head;
   int start, ctx, lane;
+  // in a page: the lane's K rows 8n + g and V rows (the layout above), in bytes from the
+  // tile's first token; the lane's scale, in floats
+  int k_row[4], v_row[8], s_row;
+
+  __device__ TileSource(const Fp8DecodeParams& p_, const int32_t* table_, const uint8_t* k_,
+                        const uint8_t* v_, const float* ks_, const float* vs_, int start_,
+                        int ctx_, int lane_)
+      : p(p_), table(table_), k_head(k_), v_head(v_), ks_head(ks_), vs_head(vs_),
+        start(start_), ctx(ctx_), lane(lane_) {
+    const int g = lane / 4, j = lane % 4;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) k_row[n] = (8 * n + g) * static_cast<int>(p.stride_kt);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v_row[i] = (16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1)) *
+                 static_cast<int>(p.stride_vt);
+    s_row = lane * static_cast<int>(p.stride_st);
+  }
 
   __device__ __forceinline__ bool real(int tok) const { return tok >= start && tok < ctx; }
 
@@ -138,21 +164,20 @@ struct TileSource {
     const int g = lane / 4, j = lane % 4;
     const bool full = t0 >= start && t0 + TILE <= ctx;
     if (one_page()) {  // offsets from the tile's page
-      const int64_t first = t0 & ((1 << p.page_shift) - 1);
-      const uint8_t* k = k_head + page * p.stride_kp + first * p.stride_kt;
-      const uint8_t* v = v_head + page * p.stride_vp + first * p.stride_vt;
-      const int64_t s = page * p.stride_sp + (first + lane) * p.stride_st;
+      const int first = t0 & ((1 << p.page_shift) - 1);
+      const uint8_t* k = k_head + page * p.stride_kp + first * static_cast<int>(p.stride_kt);
+      const uint8_t* v = v_head + page * p.stride_vp + first * static_cast<int>(p.stride_vt);
+      const int64_t s = page * p.stride_sp + first * static_cast<int>(p.stride_st) + s_row;
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const uint8_t* at = k + (8 * n + g) * p.stride_kt;
         const bool in = full || real(t0 + 8 * n + g);
-        copy16(&st.data[2 * n][lane], at, in);
-        copy16(&st.data[2 * n + 1][lane], at + 64, in);
+        copy16(&st.data[2 * n][lane], k + k_row[n], in);
+        copy16(&st.data[2 * n + 1][lane], k + k_row[n] + 64, in);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int tok = 16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1);
-        copy16(&st.data[8 + i][lane], v + tok * p.stride_vt, full || real(t0 + tok));
+        copy16(&st.data[8 + i][lane], v + v_row[i], full || real(t0 + tok));
       }
       const bool in = full || real(t0 + lane);
       copy4(&st.k_scale[lane], ks_head + s, in);
@@ -425,39 +450,307 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   }
 }
 
+// The transposed form: scores S^T = K.Q^T [16 tokens, 8 heads] per MMA (K the A operand, the
+// group on N: one MMA where the form above takes two) and O^T += V^T.P^T [16 of head_dim, 8
+// heads] (V^T the A operand), 16 MMAs a tile for each, against 32. Shared memory holds the
+// same bytes as above: lane (g, j)'s K chunks are tokens 8n + g, which are A's rows g and g + 8
+// of the tile's halves, and its V chunks are tokens 2j, 2j + 1, 2j + 8, 2j + 9 of each half,
+// A's k columns, at head_dim 16g: row g (g + 8) of MMA i is head_dim 16g + i (16g + 8 + i).
+// The accumulator gives a lane tokens g, g + 8 of heads 2j, 2j + 1, the B operand of P^T
+// wants tokens 2j.. of head g: each 8 x 8 quarter goes through one movmatrix transpose.
+// Softmax statistics are per head, a column: a lane's running max is the warp's (reduced over
+// g), its running sum its own tokens' (reduced at the end).
+template <bool UPPER, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32)
+fp8_decode_transposed_kernel(const Fp8DecodeParams p) {
+  constexpr int NT = UPPER ? 2 : 1;  // N tiles of 8 heads
+  extern __shared__ Stage stages[];  // [warp][STAGES]
+  const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, j = lane % 4;
+  const int ctx = p.context_lens[b];
+  const int start = p.starts != nullptr ? p.starts[b] : 0;
+  const int num_tiles = (ctx + TILE - 1) / TILE;
+  const int first_tile = start / TILE;
+  const int per_split = (num_tiles - first_tile + p.num_splits - 1) / p.num_splits;
+  const int tile_lo = first_tile + s * per_split;
+  const int tile_hi = min(tile_lo + per_split, num_tiles);
+  Stage* mine = stages + warp * STAGES;
+  const TileSource source{p, p.page_table + b * p.stride_pt,
+                          p.k + kvh * p.stride_kh + 16 * j, p.v + kvh * p.stride_vh + 16 * g,
+                          p.k_scale + kvh * p.stride_sh, p.v_scale + kvh * p.stride_sh,
+                          start, ctx, lane};
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    const int tile = tile_lo + warp + WARPS * i;
+    if (tile < tile_hi) source.copy(mine[i], tile * TILE, source.page_of(tile * TILE));
+    commit();
+  }
+  int next_page = 0;
+  if (tile_lo + warp + WARPS * (STAGES - 1) < tile_hi)
+    next_page = source.page_of((tile_lo + warp + WARPS * (STAGES - 1)) * TILE);
+
+  // Q^T's B fragments: column g of N tile u is head 8u + g; k-step t's values for lane j are
+  // head_dim 16j + 4t + [0, 4) (t < 4) and 64 + 16j + 4(t - 4) + [0, 4), as K's chunks hold them
+  uint32_t qb[NT][8][2];
+#pragma unroll
+  for (int u = 0; u < NT; ++u) {
+    const int head = 8 * u + g;
+    const bool real = head < p.group;
+    const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 16 * j;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int64_t d = at + 4 * (t % 4) + 64 * (t / 4);
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = real ? q_value(p, d + e) : 0.f;
+      qb[u][t][0] = pack_f16(x[0], x[1]);
+      qb[u][t][1] = pack_f16(x[2], x[3]);
+    }
+  }
+
+  // o[u][i]: head_dim 16g + i (elements 0, 1) and 16g + 8 + i (2, 3) of heads 8u + 2j, + 1
+  float o[NT][8][4];
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[u][i][0] = o[u][i][1] = o[u][i][2] = o[u][i][3] = 0.f;
+  float m[NT][2], l[NT][2];
+#pragma unroll
+  for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = -INFINITY, l[u][0] = l[u][1] = 0.f;
+  float v_ref = 1e-30f;  // the output is kept in units of this V scale, the largest seen
+
+  int slot = 0;
+  for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
+    {
+      const int ahead = tile + WARPS * (STAGES - 1);
+      if (ahead < tile_hi)
+        source.copy(mine[slot == 0 ? STAGES - 1 : slot - 1], ahead * TILE, next_page);
+      commit();
+      if (ahead + WARPS < tile_hi) next_page = source.page_of((ahead + WARPS) * TILE);
+    }
+    wait_until_pending<STAGES - 1>();
+    __syncwarp();  // the scales other lanes copied
+    const Stage& st = mine[slot];
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
+    const int t0 = tile * TILE;
+    const bool full = t0 >= start && t0 + TILE <= ctx;
+
+    // scores in log2 units: sc[u][h] holds tokens 16h + g (elements 0, 1) and 16h + 8 + g
+    // (2, 3) of heads 8u + 2j, + 1
+    float sc[NT][2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int u = 0; u < NT; ++u) sc[u][h][0] = sc[u][h][1] = sc[u][h][2] = sc[u][h][3] = 0.f;
+      const uint4 r0a = load_slot(st.data[4 * h][lane]), r0b = load_slot(st.data[4 * h + 1][lane]);
+      const uint4 r1a = load_slot(st.data[4 * h + 2][lane]),
+                  r1b = load_slot(st.data[4 * h + 3][lane]);
+      const uint32_t w0[8] = {r0a.x, r0a.y, r0a.z, r0a.w, r0b.x, r0b.y, r0b.z, r0b.w};
+      const uint32_t w1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const uint32_t a[4] = {e4m3x2_to_f16x2(w0[t] & 0xFFFF), e4m3x2_to_f16x2(w1[t] & 0xFFFF),
+                               e4m3x2_to_f16x2(w0[t] >> 16), e4m3x2_to_f16x2(w1[t] >> 16)};
+#pragma unroll
+        for (int u = 0; u < NT; ++u) mma(sc[u][h], a, qb[u][t][0], qb[u][t][1]);
+      }
+    }
+    float k_scale[2][2], v_scale[2][2];  // [h][r]: token 16h + 8r + g's
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        k_scale[h][r] = st.k_scale[16 * h + 8 * r + g] * p.scale_log2;
+        v_scale[h][r] = st.v_scale[16 * h + 8 * r + g];
+      }
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const bool in = full || source.real(t0 + 16 * h + 8 * r + g);
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            sc[u][h][2 * r + e] = in ? sc[u][h][2 * r + e] * k_scale[h][r] : -INFINITY;
+        }
+    // online softmax per head (a column): its 32 tokens lie in the 8 lanes of its j
+    float alpha[NT][2];
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = fmaxf(fmaxf(sc[u][0][e], sc[u][0][2 + e]), fmaxf(sc[u][1][e], sc[u][1][2 + e]));
+        mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, 16));
+        alpha[u][e] = 1.f;
+        if (mx > m[u][e]) {
+          alpha[u][e] = exp2f(m[u][e] - mx);
+          m[u][e] = mx;
+        }
+        const float base = m[u][e] == -INFINITY ? 0.f : m[u][e];
+        float sum = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            sc[u][h][2 * r + e] = exp2f(sc[u][h][2 * r + e] - base);
+            sum += sc[u][h][2 * r + e];
+          }
+        l[u][e] = l[u][e] * alpha[u][e] + sum;
+      }
+    // scales are >= 0: their bits order as the values do, and one reduction takes their max
+    const float v_max =
+        __uint_as_float(__reduce_max_sync(ALL, __float_as_uint(st.v_scale[lane])));
+    const float unit = v_max > v_ref ? v_ref / v_max : 1.f;  // (warp-uniform)
+    v_ref = fmaxf(v_ref, v_max);
+    bool grew = unit != 1.f;
+#pragma unroll
+    for (int u = 0; u < NT; ++u) grew = grew || alpha[u][0] != 1.f || alpha[u][1] != 1.f;
+    if (__any_sync(ALL, grew)) {
+#pragma unroll
+      for (int u = 0; u < NT; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          o[u][i][0] *= alpha[u][0] * unit;
+          o[u][i][1] *= alpha[u][1] * unit;
+          o[u][i][2] *= alpha[u][0] * unit;
+          o[u][i][3] *= alpha[u][1] * unit;
+        }
+    }
+    const float inv = 1.f / v_ref;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the PV k-step over tokens 16h .. 16h + 15
+      // P^T's B fragments: tokens 16h + 2j, + 1 (first) and 16h + 8 + 2j, + 1 of head 8u + g
+      uint32_t pb[NT][2];
+#pragma unroll
+      for (int u = 0; u < NT; ++u)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float rel = v_scale[h][r] * inv;
+          pb[u][r] = transpose8x8(pack_f16(sc[u][h][2 * r] * rel, sc[u][h][2 * r + 1] * rel));
+        }
+      const uint4 va = load_slot(st.data[8 + 4 * h][lane]);
+      const uint4 vb = load_slot(st.data[9 + 4 * h][lane]);
+      const uint4 vc = load_slot(st.data[10 + 4 * h][lane]);
+      const uint4 vd = load_slot(st.data[11 + 4 * h][lane]);
+      const uint32_t a[4] = {va.x, va.y, va.z, va.w};
+      const uint32_t bb[4] = {vb.x, vb.y, vb.z, vb.w};
+      const uint32_t c[4] = {vc.x, vc.y, vc.z, vc.w};
+      const uint32_t d[4] = {vd.x, vd.y, vd.z, vd.w};
+      // byte x of the lane's 16 (head_dim 16g + x) of tokens (2j, 2j + 1) and (2j + 8, 2j + 9)
+      uint32_t lo[16], hi[16];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
+        const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
+        lo[4 * w] = x01 & 0xFFFF, lo[4 * w + 1] = x01 >> 16;
+        lo[4 * w + 2] = y01 & 0xFFFF, lo[4 * w + 3] = y01 >> 16;
+        hi[4 * w] = x89 & 0xFFFF, hi[4 * w + 1] = x89 >> 16;
+        hi[4 * w + 2] = y89 & 0xFFFF, hi[4 * w + 3] = y89 >> 16;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t va4[4] = {e4m3x2_to_f16x2(lo[i]), e4m3x2_to_f16x2(lo[8 + i]),
+                                 e4m3x2_to_f16x2(hi[i]), e4m3x2_to_f16x2(hi[8 + i])};
+#pragma unroll
+        for (int u = 0; u < NT; ++u) mma(o[u][i], va4, pb[u][0], pb[u][1]);
+      }
+    }
+  }
+
+  // the warps' partials, merged as above: o_s[w][head][dim] (pitch 129: a store's lanes meet
+  // at most four to a bank, the merge's reads none)
+  constexpr int PITCH = D + 1;
+  wait_until_pending<0>();
+  __syncthreads();
+  auto& o_s = *reinterpret_cast<float(*)[WARPS][16][PITCH]>(stages);
+  auto& m_s = *reinterpret_cast<float(*)[WARPS][16]>(&o_s[WARPS][0][0]);
+  auto& l_s = *reinterpret_cast<float(*)[WARPS][16]>(&m_s[WARPS][0]);
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float sum = l[u][e];
+      sum += __shfl_xor_sync(ALL, sum, 4);
+      sum += __shfl_xor_sync(ALL, sum, 8);
+      sum += __shfl_xor_sync(ALL, sum, 16);
+      if (g == 0) {
+        m_s[warp][8 * u + 2 * j + e] = m[u][e];
+        l_s[warp][8 * u + 2 * j + e] = sum;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        o_s[warp][8 * u + 2 * j + e][16 * g + i] = o[u][i][e] * v_ref;
+        o_s[warp][8 * u + 2 * j + e][16 * g + 8 + i] = o[u][i][2 + e] * v_ref;
+      }
+    }
+  __syncthreads();
+  const int rows = UPPER ? p.group : min(p.group, 8);
+  for (int idx = threadIdx.x; idx < rows * D; idx += WARPS * 32) {
+    const int r = idx / D, col = idx % D;
+    float top = -INFINITY;
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, m_s[w][r]);
+    float sum = 0.f, acc = 0.f;
+    if (top != -INFINITY)
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = exp2f(m_s[w][r] - top);
+        sum += l_s[w][r] * f;
+        acc += o_s[w][r][col] * f;
+      }
+    const int head = kvh * p.group + r;
+    const bool any = top != -INFINITY && sum > 0.f;
+    p.mid_o[b * p.stride_mob + head * p.stride_moh + s * p.stride_mos + col] =
+        any ? acc / sum : 0.f;
+    if (col == 0)
+      p.mid_lse[b * p.stride_mlb + head * p.stride_mlh + s] =
+          any ? (top + log2f(sum)) * 0.69314718055994530942f : -INFINITY;
+  }
+}
+
 constexpr int MERGE_BYTES = (WARPS * 16 * (16 * 8 + 1) + 2 * WARPS * 16) * sizeof(float);
 
-template <bool UPPER, int STAGES>
+template <bool UPPER, int STAGES, bool TRANSPOSED>
 const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = WARPS * STAGES * sizeof(Stage);
   static_assert(bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
+  const auto kernel = TRANSPOSED ? fp8_decode_transposed_kernel<UPPER, STAGES>
+                                 : fp8_decode_split_kernel<UPPER, STAGES>;
   // past 48 KiB a kernel asks for its shared memory, on the current device (not a stream
   // operation: allowed while a graph captures, as flash-attn's launches do)
-  const cudaError_t asked = cudaFuncSetAttribute(
-      fp8_decode_split_kernel<UPPER, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t asked =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (asked != cudaSuccess) return cudaGetErrorString(asked);
-  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(p);
+  kernel<<<grid, WARPS * 32, bytes, stream>>>(p);
   return nullptr;
 }
 
-template <bool UPPER>
+template <bool UPPER, bool TRANSPOSED>
 const char* launch_stages(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
   switch (stages) {
-    case 2: return launch<UPPER, 2>(p, grid, stream);
-    case 3: return launch<UPPER, 3>(p, grid, stream);
-    case 4: return launch<UPPER, 4>(p, grid, stream);
+    case 2: return launch<UPPER, 2, TRANSPOSED>(p, grid, stream);
+    case 3: return launch<UPPER, 3, TRANSPOSED>(p, grid, stream);
+    case 4: return launch<UPPER, 4, TRANSPOSED>(p, grid, stream);
     default: return "fp8_decode: 2 to 4 stages";
   }
+}
+
+template <bool TRANSPOSED>
+const char* launch_form(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
+  return p.group > 8 ? launch_stages<true, TRANSPOSED>(p, grid, stages, stream)
+                     : launch_stages<false, TRANSPOSED>(p, grid, stages, stream);
 }
 
 }  // namespace
 
 const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
-                              cudaStream_t stream) {
+                              bool transposed, cudaStream_t stream) {
   if (p.group < 1 || p.group > 16) return "fp8_decode: GQA groups of 1 to 16 heads";
   const dim3 grid(batch, kv_heads, p.num_splits);
-  const char* refused = p.group > 8 ? launch_stages<true>(p, grid, stages, stream)
-                                    : launch_stages<false>(p, grid, stages, stream);
+  const char* refused = transposed ? launch_form<true>(p, grid, stages, stream)
+                                   : launch_form<false>(p, grid, stages, stream);
   if (refused != nullptr) return refused;
   const cudaError_t err = cudaPeekAtLastError();  // (an earlier kernel's error would show too)
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
