@@ -154,9 +154,8 @@ def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (8, 8), (32, 2)])
 @pytest.mark.parametrize("page_size", [16, 256])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "group-on-m"])
 def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, page_size,
-                                                        stages, transposed):
+                                                        stages):
     """The CUDA kernel (csrc/fp8_decode.cu) against float64 on the dequantized values, with
     the Triton kernel's bound: groups of 4, 7, 1 and 16 (its two row halves), pages of 16 and
     256 tokens, lengths that end mid-tile and mid-page (NaN bytes past each context), rows
@@ -178,7 +177,7 @@ def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, p
         pytest.skip("the CUDA FP8 kernel does not build or run here")
     scale = d**-0.5
     splits = num_splits_for(len(lens), kv_heads, 131072, 132)
-    tiles = TILES["fp8"]._replace(cuda=True, num_stages=stages, transposed=transposed)
+    tiles = TILES["fp8"]._replace(cuda=True, num_stages=stages)
     out = paged_decode_attention(q, k, v, table, lens_t, scale, splits, k_scale=k_scale,
                                  v_scale=v_scale, tiles=tiles)
     k64 = dequantize.eager(k, k_scale, torch.float64)

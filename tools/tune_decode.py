@@ -87,10 +87,8 @@ def main() -> None:
     f16 = [t._replace(f16_dot=True) for t in base if t.block_n >= 64 and args.f16_dot]
     dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []) +
-                      ([TILES["fp8"]._replace(split_factor=1, cuda=True, num_stages=n,
-                                              transposed=t)
-                        for n in ints(args.cuda_stages) for t in (True, False)]
-                       if args.cuda else []))}
+                      ([TILES["fp8"]._replace(split_factor=1, cuda=True, num_stages=n)
+                        for n in ints(args.cuda_stages)] if args.cuda else []))}
     for key in args.dtypes.split(","):
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):

@@ -55,13 +55,11 @@ def _aligned(cache: torch.Tensor) -> bool:
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     k_scale: torch.Tensor, v_scale: torch.Tensor, page_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, starts: torch.Tensor | None,
-                    mid_o: torch.Tensor, mid_lse: torch.Tensor, stages: int = 2,
-                    transposed: bool = True) -> None:
+                    mid_o: torch.Tensor, mid_lse: torch.Tensor, stages: int = 2) -> None:
     """Writes each split's output [batch, heads, splits, 128] and natural-log LSE [batch,
     heads, splits] (float32) over each row's tokens [starts, context_lens), as Triton's stage
     1 does; the split count is mid_o's. `stages`: 32-token tiles each warp holds in shared
-    memory (2 to 4), the one it computes and the rest in flight; `transposed`: the dots with
-    the group on the MMA's N side (csrc/fp8_decode.cu)."""
+    memory (2 to 4), the one it computes and the rest in flight."""
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_scale.stride() == v_scale.stride() and mid_o.stride(-1) == 1
     assert mid_lse.stride(-1) == 1
@@ -72,6 +70,6 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
         refused = _extension().decode_partials(
             q, k_cache, v_cache, k_scale, v_scale, page_tables, context_lens, starts, mid_o,
-            mid_lse, scale, page_size.bit_length() - 1, stages, transposed, stream)
+            mid_lse, scale, page_size.bit_length() - 1, stages, stream)
     if refused:
         raise RuntimeError(refused)

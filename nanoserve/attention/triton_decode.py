@@ -390,7 +390,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     if scaled and tiles.cuda and not direct and cuda_fp8_decode.available(q, k_cache, page_size):
         cuda_fp8_decode.decode_partials(q, k_cache, v_cache, k_scale, v_scale, page_tables,
                                         context_lens, scale, starts, mid_o, mid_lse,
-                                        stages=tiles.num_stages, transposed=tiles.transposed)
+                                        stages=tiles.num_stages)
         return Partials(mid_o, mid_lse)
     block_d = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

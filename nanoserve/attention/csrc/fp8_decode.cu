@@ -11,26 +11,35 @@
 // reads them back in the layout of an m16n8k16 MMA fragment: no layout shuffles and no
 // barriers between the loads and the MMAs. The scales are the warp's: lane i copies token
 // i's, and every lane reads its tokens' after a warp sync.
-// - scores S = Q.K^T [16 (the group, padded), 8 tokens] per MMA: K is the B operand, whose
-//   fragment gives lane (g = lane / 4, j = lane % 4) token g of the 8 and four values of the
-//   MMA's k (head_dim) slice. A dot is a sum over head_dim in any order, so k-step t's values
-//   for lane j are taken as head_dim 16j + 4t + [0, 4) for t < 4 and 64 + 16j + 4(t - 4) +
-//   [0, 4) after: a lane copies two 16-byte pieces of its token, and each of a warp's two
-//   copies reads whole 64-byte halves of 8 tokens. Q's A fragment takes the same order.
-// - the accumulator of two such MMAs (16 tokens) is, element for element, the A fragment of
-//   O += P.V [16, 8 columns of head_dim] (FlashAttention-2's register reuse); V is its B
-//   operand: lane (g, j) holds tokens 2j, 2j+1, 2j+8, 2j+9 at one column, so output column n
-//   of MMA i is taken as head_dim 16n + i: a lane copies 16 contiguous bytes of each of its 4
-//   tokens and pairs their bytes with byte permutes.
+// The dots are transposed, the group on the MMA's N side (8 heads; 16 take two N tiles):
+// - scores S^T = K.Q^T [16 tokens, 8 heads] per MMA, K the A operand: lane (g = lane / 4,
+//   j = lane % 4) holds rows g and g + 8 (tokens) and four values of the MMA's k (head_dim)
+//   slice. A dot is a sum over head_dim in any order, so k-step t's values for lane j are
+//   taken as head_dim 16j + 4t + [0, 4) for t < 4 and 64 + 16j + 4(t - 4) + [0, 4) after: a
+//   lane copies two 16-byte pieces of each of its tokens (8n + g), and each of a warp's two
+//   copies reads whole 64-byte halves of 8 tokens. Q's B fragment takes the same order.
+// - the output O^T += V^T.P^T [16 of head_dim, 8 heads], V^T the A operand: lane (g, j)
+//   holds tokens 2j, 2j + 1, 2j + 8, 2j + 9 of a 16-token k-step at rows g, g + 8, so row
+//   g (g + 8) of MMA i is taken as head_dim 16g + i (16g + 8 + i): a lane copies 16
+//   contiguous bytes of each of its 4 tokens and pairs their bytes with byte permutes.
+// - the scores' accumulator gives a lane tokens g, g + 8 of heads 2j, 2j + 1; P^T's B
+//   fragment wants tokens 2j.. of head g: each 8 x 8 quarter is one movmatrix transpose.
+//   Softmax statistics are per head (a column): a lane's running max is the warp's (reduced
+//   over g), its running sum its own tokens' (reduced at the end).
 // e4m3 converts to float16 exactly, two values an instruction (cvt.rn.f16x2.e4m3x2, sm_89+).
 // K's scale multiplies the score; V's multiplies the probability relative to the largest V
 // scale seen so far (the output is kept in units of it), so p x scale stays in float16's
-// range. The output is rescaled only in a tile where a row's maximum or that V scale grew.
+// range. The output is rescaled only in a tile where a head's maximum or that V scale grew.
+// The block's page numbers are read into shared memory once, before any copy: a page read
+// in the loop waits behind the copies in flight (several microseconds under a full memory
+// system) and held up the next copy.
 //
 // Measured on an H200 (tools/probes/fp8_decode_once.py under ncu): loading straight into
 // registers read at 2.0x the floor; the first pipelined form executed 1,880 instructions a
 // warp per tile (per-token address arithmetic and branches, 16 scale copies a lane, the
-// output rescaled every tile) and stalled on fixed-latency dependencies at 8 warps an SM.
+// output rescaled every tile) and stalled on fixed-latency dependencies at 8 warps an SM;
+// with the group on M (twice the MMAs, 168 registers) it executed 29.7M instructions at
+// 1 x 128K against the transposed form's 24.0M (111.6 against 106.5 us).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -121,11 +130,17 @@ struct alignas(16) Stage {
   float v_scale[TILE];
 };
 
+// the block's page numbers in shared memory, after the stages: a split of up to this many
+// pages (128K tokens at 256-token pages) reads none of them in its loop
+constexpr int CACHED_PAGES = 512;
+
 // Where one warp's copies of a tile go from: the tile's tokens [t0, t0 + 32) and which of
 // them are real, [start, ctx) (the others are zeros, never the NaN bytes past a context)
 struct TileSource {
   const Fp8DecodeParams& p;
   const int32_t* table;
+  const int* pages;  // the split's pages from first_page on, or nullptr: read from the table
+  int first_page;
   const uint8_t* k_head;  // the kv head's bytes at token 0 of page 0, plus the lane's K offset
   const uint8_t* v_head;  // likewise for V
   const float* ks_head;
@@ -135,11 +150,11 @@ struct TileSource {
   // tile's first token; the lane's scale, in floats
   int k_row[4], v_row[8], s_row;
 
-  __device__ TileSource(const Fp8DecodeParams& p_, const int32_t* table_, const uint8_t* k_,
-                        const uint8_t* v_, const float* ks_, const float* vs_, int start_,
-                        int ctx_, int lane_)
-      : p(p_), table(table_), k_head(k_), v_head(v_), ks_head(ks_), vs_head(vs_),
-        start(start_), ctx(ctx_), lane(lane_) {
+  __device__ TileSource(const Fp8DecodeParams& p_, const int32_t* table_, const int* pages_,
+                        int first_page_, const uint8_t* k_, const uint8_t* v_, const float* ks_,
+                        const float* vs_, int start_, int ctx_, int lane_)
+      : p(p_), table(table_), pages(pages_), first_page(first_page_), k_head(k_), v_head(v_),
+        ks_head(ks_), vs_head(vs_), start(start_), ctx(ctx_), lane(lane_) {
     const int g = lane / 4, j = lane % 4;
 #pragma unroll
     for (int n = 0; n < 4; ++n) k_row[n] = (8 * n + g) * static_cast<int>(p.stride_kt);
@@ -152,18 +167,15 @@ struct TileSource {
 
   __device__ __forceinline__ bool real(int tok) const { return tok >= start && tok < ctx; }
 
-  // a tile lies in one page when pages hold 32 tokens or more: one table read
+  // a tile lies in one page when pages hold 32 tokens or more
   __device__ __forceinline__ bool one_page() const { return p.page_shift >= 5; }
 
-  // the tile's page (where one_page()), read ahead of its copy: the copy does not wait for it
-  __device__ __forceinline__ int page_of(int t0) const {
-    return one_page() ? table[t0 >> p.page_shift] : 0;
-  }
-
-  __device__ __forceinline__ void copy(Stage& st, int t0, int64_t page) const {
+  __device__ __forceinline__ void copy(Stage& st, int t0) const {
     const int g = lane / 4, j = lane % 4;
     const bool full = t0 >= start && t0 + TILE <= ctx;
     if (one_page()) {  // offsets from the tile's page
+      const int at_page = t0 >> p.page_shift;
+      const int64_t page = pages != nullptr ? pages[at_page - first_page] : table[at_page];
       const int first = t0 & ((1 << p.page_shift) - 1);
       const uint8_t* k = k_head + page * p.stride_kp + first * static_cast<int>(p.stride_kt);
       const uint8_t* v = v_head + page * p.stride_vp + first * static_cast<int>(p.stride_vt);
@@ -218,12 +230,13 @@ __device__ __forceinline__ float q_value(const Fp8DecodeParams& p, int64_t at) {
   return __half2float(static_cast<const __half*>(p.q)[at]);
 }
 
-// UPPER: the group has more than 8 heads, so the MMA rows g + 8 are heads too. STAGES: tiles
-// a warp has in shared memory, the one it computes and STAGES - 1 in flight
+// UPPER: the group has more than 8 heads, a second N tile. STAGES: tiles a warp has in shared
+// memory, the one it computes and STAGES - 1 in flight
 template <bool UPPER, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 fp8_decode_split_kernel(const Fp8DecodeParams p) {
-  extern __shared__ Stage stages[];  // [warp][STAGES]
+  constexpr int NT = UPPER ? 2 : 1;  // N tiles of 8 heads
+  extern __shared__ Stage stages[];  // [warp][STAGES], then CACHED_PAGES page numbers
   const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, j = lane % 4;
@@ -235,7 +248,32 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   const int tile_lo = first_tile + s * per_split;
   const int tile_hi = min(tile_lo + per_split, num_tiles);
   Stage* mine = stages + warp * STAGES;
-  const TileSource source{p, p.page_table + b * p.stride_pt,
+  const int32_t* table = p.page_table + b * p.stride_pt;
+  // Q^T's B fragments' values: column g of N tile u is head 8u + g; k-step t's values for lane
+  // j are head_dim 16j + 4t + [0, 4) (t < 4) and 64 + 16j + 4(t - 4) + [0, 4), as K's chunks
+  // hold them. Their loads go out first, beside the page numbers'
+  float q[NT][8][4];
+#pragma unroll
+  for (int u = 0; u < NT; ++u) {
+    const int head = 8 * u + g;
+    const bool real = head < p.group;
+    const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 16 * j;
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        q[u][t][e] = real ? q_value(p, at + 4 * (t % 4) + 64 * (t / 4) + e) : 0.f;
+  }
+  // the split's pages, once (every page of [tile_lo, tile_hi) is the sequence's)
+  int* cached = reinterpret_cast<int*>(stages + WARPS * STAGES);
+  const int first_page = (tile_lo * TILE) >> p.page_shift;
+  const int num_pages =
+      tile_lo < tile_hi ? ((tile_hi * TILE - 1) >> p.page_shift) - first_page + 1 : 0;
+  const bool use_cache = p.page_shift >= 5 && num_pages <= CACHED_PAGES;
+  if (use_cache)
+    for (int i = threadIdx.x; i < num_pages; i += WARPS * 32) cached[i] = table[first_page + i];
+  __syncthreads();
+  const TileSource source{p, table, use_cache ? cached : nullptr, first_page,
                           p.k + kvh * p.stride_kh + 16 * j, p.v + kvh * p.stride_vh + 16 * g,
                           p.k_scale + kvh * p.stride_sh, p.v_scale + kvh * p.stride_sh,
                           start, ctx, lane};
@@ -245,269 +283,19 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     const int tile = tile_lo + warp + WARPS * i;
-    if (tile < tile_hi) source.copy(mine[i], tile * TILE, source.page_of(tile * TILE));
+    if (tile < tile_hi) source.copy(mine[i], tile * TILE);
     commit();
   }
-  int next_page = 0;  // the page of the next tile to copy, tile_lo + warp + WARPS (STAGES - 1)
-  if (tile_lo + warp + WARPS * (STAGES - 1) < tile_hi)
-    next_page = source.page_of((tile_lo + warp + WARPS * (STAGES - 1)) * TILE);
 
-  // Q's A fragments: rows g (and g + 8), head_dim in the order described above
-  uint32_t qa[8][4];
-  {
-    float row[2][32];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int head = g + 8 * r;
-      const bool real = head < p.group && (r == 0 || UPPER);
-      const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 16 * j;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) row[r][i] = real ? q_value(p, at + i + (i < 16 ? 0 : 48)) : 0.f;
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      qa[t][0] = pack_f16(row[0][4 * t], row[0][4 * t + 1]);
-      qa[t][1] = pack_f16(row[1][4 * t], row[1][4 * t + 1]);
-      qa[t][2] = pack_f16(row[0][4 * t + 2], row[0][4 * t + 3]);
-      qa[t][3] = pack_f16(row[1][4 * t + 2], row[1][4 * t + 3]);
-    }
-  }
-
-  float o[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float v_ref = 1e-30f;  // the output is kept in units of this V scale, the largest seen
-
-  int slot = 0;
-  for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
-    {  // the tile STAGES - 1 ahead goes into the slot the previous step read
-      const int ahead = tile + WARPS * (STAGES - 1);
-      if (ahead < tile_hi)
-        source.copy(mine[slot == 0 ? STAGES - 1 : slot - 1], ahead * TILE, next_page);
-      commit();
-      if (ahead + WARPS < tile_hi) next_page = source.page_of((ahead + WARPS) * TILE);
-    }
-    wait_until_pending<STAGES - 1>();
-    __syncwarp();  // the scales other lanes copied
-    const Stage& st = mine[slot];
-    slot = slot == STAGES - 1 ? 0 : slot + 1;
-    const int t0 = tile * TILE;
-    const bool full = t0 >= start && t0 + TILE <= ctx;
-
-    // scores, in log2 units: lane (g, j) holds tokens 8n + 2j + e (e = 0, 1) of rows g, g + 8
-    float sc[4][4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      const uint4 k0 = load_slot(st.data[2 * n][lane]), k1 = load_slot(st.data[2 * n + 1][lane]);
-      const uint32_t w[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-        mma(sc[n], qa[t], e4m3x2_to_f16x2(w[t] & 0xFFFF), e4m3x2_to_f16x2(w[t] >> 16));
-      const float2 k_scale = *reinterpret_cast<const float2*>(&st.k_scale[8 * n + 2 * j]);
-      const float mul0 = k_scale.x * p.scale_log2, mul1 = k_scale.y * p.scale_log2;
-      sc[n][0] *= mul0;
-      sc[n][1] *= mul1;
-      sc[n][2] *= mul0;
-      sc[n][3] *= mul1;
-      if (!full) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (!source.real(t0 + 8 * n + 2 * j + e)) sc[n][e] = sc[n][2 + e] = -INFINITY;
-      }
-    }
-    // online softmax per row (a query head); a row's 8 tokens lie in the 4 lanes of its g
-    float alpha[2] = {1.f, 1.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r == 1 && !UPPER) continue;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(ALL, mx, 2));
-      if (mx > m[r]) {
-        alpha[r] = exp2f(m[r] - mx);
-        m[r] = mx;
-      }
-      const float base = m[r] == -INFINITY ? 0.f : m[r];
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        sc[n][2 * r] = exp2f(sc[n][2 * r] - base);
-        sc[n][2 * r + 1] = exp2f(sc[n][2 * r + 1] - base);
-        sum += sc[n][2 * r] + sc[n][2 * r + 1];
-      }
-      l[r] = l[r] * alpha[r] + sum;
-    }
-    // V's scales: lane (g, j) holds tokens 16ks + 2j + (i & 1) + 8 (i >> 1) of its B fragment
-    float v_scale[2][4];
-    float v_max = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      const float2 lo = *reinterpret_cast<const float2*>(&st.v_scale[16 * ks + 2 * j]);
-      const float2 hi = *reinterpret_cast<const float2*>(&st.v_scale[16 * ks + 8 + 2 * j]);
-      v_scale[ks][0] = lo.x;
-      v_scale[ks][1] = lo.y;
-      v_scale[ks][2] = hi.x;
-      v_scale[ks][3] = hi.y;
-      v_max = fmaxf(v_max, fmaxf(fmaxf(lo.x, lo.y), fmaxf(hi.x, hi.y)));
-    }
-    // scales are >= 0: their bits order as the values do, and one reduction takes their max
-    v_max = __uint_as_float(__reduce_max_sync(ALL, __float_as_uint(v_max)));
-    const float unit = v_max > v_ref ? v_ref / v_max : 1.f;  // (warp-uniform)
-    v_ref = fmaxf(v_ref, v_max);
-    if (__any_sync(ALL, alpha[0] != 1.f || alpha[1] != 1.f || unit != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        o[n][0] *= alpha[0] * unit;
-        o[n][1] *= alpha[0] * unit;
-        o[n][2] *= alpha[1] * unit;
-        o[n][3] *= alpha[1] * unit;
-      }
-    }
-    const float inv = 1.f / v_ref;
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      float rel[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) rel[i] = v_scale[ks][i] * inv;
-      const float(&lo)[4] = sc[2 * ks];
-      const float(&hi)[4] = sc[2 * ks + 1];
-      const uint32_t pa[4] = {
-          pack_f16(lo[0] * rel[0], lo[1] * rel[1]),
-          UPPER ? pack_f16(lo[2] * rel[0], lo[3] * rel[1]) : 0u,
-          pack_f16(hi[0] * rel[2], hi[1] * rel[3]),
-          UPPER ? pack_f16(hi[2] * rel[2], hi[3] * rel[3]) : 0u};
-      const uint4 va = load_slot(st.data[8 + 4 * ks][lane]);
-      const uint4 vb = load_slot(st.data[9 + 4 * ks][lane]);
-      const uint4 vc = load_slot(st.data[10 + 4 * ks][lane]);
-      const uint4 vd = load_slot(st.data[11 + 4 * ks][lane]);
-      const uint32_t a[4] = {va.x, va.y, va.z, va.w};
-      const uint32_t bb[4] = {vb.x, vb.y, vb.z, vb.w};
-      const uint32_t c[4] = {vc.x, vc.y, vc.z, vc.w};
-      const uint32_t d[4] = {vd.x, vd.y, vd.z, vd.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        // tokens (2j, 2j+1) and (2j+8, 2j+9), their bytes paired: columns 4w .. 4w+3
-        const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
-        const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
-        mma(o[4 * w + 0], pa, e4m3x2_to_f16x2(x01 & 0xFFFF), e4m3x2_to_f16x2(x89 & 0xFFFF));
-        mma(o[4 * w + 1], pa, e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x89 >> 16));
-        mma(o[4 * w + 2], pa, e4m3x2_to_f16x2(y01 & 0xFFFF), e4m3x2_to_f16x2(y89 & 0xFFFF));
-        mma(o[4 * w + 3], pa, e4m3x2_to_f16x2(y01 >> 16), e4m3x2_to_f16x2(y89 >> 16));
-      }
-    }
-  }
-
-  // the warps' partials, merged: each row's sum over its 4 lanes, the output in true units.
-  // o_s[w][n][8 r + c] holds row r's column 16 c + n of MMA n's output (c = 2j + e): a lane's
-  // stores and the merge's reads meet at most two to a bank (row-major [r][d] made 32). They
-  // reuse the stages' memory, once every copy has landed and every warp has read its last
-  constexpr int PITCH = 16 * 8 + 1;
-  wait_until_pending<0>();
-  __syncthreads();
-  auto& o_s = *reinterpret_cast<float(*)[WARPS][16][PITCH]>(stages);
-  auto& m_s = *reinterpret_cast<float(*)[WARPS][16]>(&o_s[WARPS][0][0]);
-  auto& l_s = *reinterpret_cast<float(*)[WARPS][16]>(&m_s[WARPS][0]);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(ALL, l[r], 1);
-    l[r] += __shfl_xor_sync(ALL, l[r], 2);
-    if (j == 0) {
-      m_s[warp][g + 8 * r] = m[r];
-      l_s[warp][g + 8 * r] = l[r];
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < 16; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      o_s[warp][n][8 * g + 2 * j + e] = o[n][e] * v_ref;
-      o_s[warp][n][8 * (g + 8) + 2 * j + e] = o[n][2 + e] * v_ref;
-    }
-  __syncthreads();
-  const int rows = UPPER ? p.group : min(p.group, 8);
-  for (int idx = threadIdx.x; idx < rows * D; idx += WARPS * 32) {
-    const int r = idx / D, col = idx % D;
-    float top = -INFINITY;
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, m_s[w][r]);
-    float sum = 0.f, acc = 0.f;
-    if (top != -INFINITY)
-      for (int w = 0; w < WARPS; ++w) {
-        const float f = exp2f(m_s[w][r] - top);
-        sum += l_s[w][r] * f;
-        acc += o_s[w][col % 16][8 * r + col / 16] * f;
-      }
-    const int head = kvh * p.group + r;
-    const bool any = top != -INFINITY && sum > 0.f;
-    p.mid_o[b * p.stride_mob + head * p.stride_moh + s * p.stride_mos + col] =
-        any ? acc / sum : 0.f;
-    if (col == 0)
-      p.mid_lse[b * p.stride_mlb + head * p.stride_mlh + s] =
-          any ? (top + log2f(sum)) * 0.69314718055994530942f : -INFINITY;
-  }
-}
-
-// The transposed form: scores S^T = K.Q^T [16 tokens, 8 heads] per MMA (K the A operand, the
-// group on N: one MMA where the form above takes two) and O^T += V^T.P^T [16 of head_dim, 8
-// heads] (V^T the A operand), 16 MMAs a tile for each, against 32. Shared memory holds the
-// same bytes as above: lane (g, j)'s K chunks are tokens 8n + g, which are A's rows g and g + 8
-// of the tile's halves, and its V chunks are tokens 2j, 2j + 1, 2j + 8, 2j + 9 of each half,
-// A's k columns, at head_dim 16g: row g (g + 8) of MMA i is head_dim 16g + i (16g + 8 + i).
-// The accumulator gives a lane tokens g, g + 8 of heads 2j, 2j + 1, the B operand of P^T
-// wants tokens 2j.. of head g: each 8 x 8 quarter goes through one movmatrix transpose.
-// Softmax statistics are per head, a column: a lane's running max is the warp's (reduced over
-// g), its running sum its own tokens' (reduced at the end).
-template <bool UPPER, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32)
-fp8_decode_transposed_kernel(const Fp8DecodeParams p) {
-  constexpr int NT = UPPER ? 2 : 1;  // N tiles of 8 heads
-  extern __shared__ Stage stages[];  // [warp][STAGES]
-  const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, j = lane % 4;
-  const int ctx = p.context_lens[b];
-  const int start = p.starts != nullptr ? p.starts[b] : 0;
-  const int num_tiles = (ctx + TILE - 1) / TILE;
-  const int first_tile = start / TILE;
-  const int per_split = (num_tiles - first_tile + p.num_splits - 1) / p.num_splits;
-  const int tile_lo = first_tile + s * per_split;
-  const int tile_hi = min(tile_lo + per_split, num_tiles);
-  Stage* mine = stages + warp * STAGES;
-  const TileSource source{p, p.page_table + b * p.stride_pt,
-                          p.k + kvh * p.stride_kh + 16 * j, p.v + kvh * p.stride_vh + 16 * g,
-                          p.k_scale + kvh * p.stride_sh, p.v_scale + kvh * p.stride_sh,
-                          start, ctx, lane};
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    const int tile = tile_lo + warp + WARPS * i;
-    if (tile < tile_hi) source.copy(mine[i], tile * TILE, source.page_of(tile * TILE));
-    commit();
-  }
-  int next_page = 0;
-  if (tile_lo + warp + WARPS * (STAGES - 1) < tile_hi)
-    next_page = source.page_of((tile_lo + warp + WARPS * (STAGES - 1)) * TILE);
-
-  // Q^T's B fragments: column g of N tile u is head 8u + g; k-step t's values for lane j are
-  // head_dim 16j + 4t + [0, 4) (t < 4) and 64 + 16j + 4(t - 4) + [0, 4), as K's chunks hold them
+  // Q^T's B fragments, packed from q (read at the start, beside the page numbers)
   uint32_t qb[NT][8][2];
 #pragma unroll
-  for (int u = 0; u < NT; ++u) {
-    const int head = 8 * u + g;
-    const bool real = head < p.group;
-    const int64_t at = b * p.stride_qb + (kvh * p.group + head) * p.stride_qh + 16 * j;
+  for (int u = 0; u < NT; ++u)
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
-      const int64_t d = at + 4 * (t % 4) + 64 * (t / 4);
-      float x[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = real ? q_value(p, d + e) : 0.f;
-      qb[u][t][0] = pack_f16(x[0], x[1]);
-      qb[u][t][1] = pack_f16(x[2], x[3]);
+      qb[u][t][0] = pack_f16(q[u][t][0], q[u][t][1]);
+      qb[u][t][1] = pack_f16(q[u][t][2], q[u][t][3]);
     }
-  }
 
   // o[u][i]: head_dim 16g + i (elements 0, 1) and 16g + 8 + i (2, 3) of heads 8u + 2j, + 1
   float o[NT][8][4];
@@ -522,12 +310,10 @@ fp8_decode_transposed_kernel(const Fp8DecodeParams p) {
 
   int slot = 0;
   for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
-    {
+    {  // the tile STAGES - 1 ahead goes into the slot the previous step read
       const int ahead = tile + WARPS * (STAGES - 1);
-      if (ahead < tile_hi)
-        source.copy(mine[slot == 0 ? STAGES - 1 : slot - 1], ahead * TILE, next_page);
+      if (ahead < tile_hi) source.copy(mine[slot == 0 ? STAGES - 1 : slot - 1], ahead * TILE);
       commit();
-      if (ahead + WARPS < tile_hi) next_page = source.page_of((ahead + WARPS) * TILE);
     }
     wait_until_pending<STAGES - 1>();
     __syncwarp();  // the scales other lanes copied
@@ -710,47 +496,39 @@ fp8_decode_transposed_kernel(const Fp8DecodeParams p) {
   }
 }
 
-constexpr int MERGE_BYTES = (WARPS * 16 * (16 * 8 + 1) + 2 * WARPS * 16) * sizeof(float);
+constexpr int MERGE_BYTES = (WARPS * 16 * (D + 1) + 2 * WARPS * 16) * sizeof(float);
 
-template <bool UPPER, int STAGES, bool TRANSPOSED>
+template <bool UPPER, int STAGES>
 const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = WARPS * STAGES * sizeof(Stage);
+  constexpr int bytes = WARPS * STAGES * sizeof(Stage) + CACHED_PAGES * sizeof(int);
   static_assert(bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
-  const auto kernel = TRANSPOSED ? fp8_decode_transposed_kernel<UPPER, STAGES>
-                                 : fp8_decode_split_kernel<UPPER, STAGES>;
   // past 48 KiB a kernel asks for its shared memory, on the current device (not a stream
   // operation: allowed while a graph captures, as flash-attn's launches do)
-  const cudaError_t asked =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t asked = cudaFuncSetAttribute(
+      fp8_decode_split_kernel<UPPER, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (asked != cudaSuccess) return cudaGetErrorString(asked);
-  kernel<<<grid, WARPS * 32, bytes, stream>>>(p);
+  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(p);
   return nullptr;
 }
 
-template <bool UPPER, bool TRANSPOSED>
+template <bool UPPER>
 const char* launch_stages(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
   switch (stages) {
-    case 2: return launch<UPPER, 2, TRANSPOSED>(p, grid, stream);
-    case 3: return launch<UPPER, 3, TRANSPOSED>(p, grid, stream);
-    case 4: return launch<UPPER, 4, TRANSPOSED>(p, grid, stream);
+    case 2: return launch<UPPER, 2>(p, grid, stream);
+    case 3: return launch<UPPER, 3>(p, grid, stream);
+    case 4: return launch<UPPER, 4>(p, grid, stream);
     default: return "fp8_decode: 2 to 4 stages";
   }
-}
-
-template <bool TRANSPOSED>
-const char* launch_form(const Fp8DecodeParams& p, dim3 grid, int stages, cudaStream_t stream) {
-  return p.group > 8 ? launch_stages<true, TRANSPOSED>(p, grid, stages, stream)
-                     : launch_stages<false, TRANSPOSED>(p, grid, stages, stream);
 }
 
 }  // namespace
 
 const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
-                              bool transposed, cudaStream_t stream) {
+                              cudaStream_t stream) {
   if (p.group < 1 || p.group > 16) return "fp8_decode: GQA groups of 1 to 16 heads";
   const dim3 grid(batch, kv_heads, p.num_splits);
-  const char* refused = transposed ? launch_form<true>(p, grid, stages, stream)
-                                   : launch_form<false>(p, grid, stages, stream);
+  const char* refused = p.group > 8 ? launch_stages<true>(p, grid, stages, stream)
+                                    : launch_stages<false>(p, grid, stages, stream);
   if (refused != nullptr) return refused;
   const cudaError_t err = cudaPeekAtLastError();  // (an earlier kernel's error would show too)
   return err == cudaSuccess ? "" : cudaGetErrorString(err);

@@ -31,8 +31,7 @@ struct Fp8DecodeParams {
   bool q_bf16;
 };
 
-// Launches stage 1 on `stream` with `stages` tiles in shared memory per warp (2 to 4), the
-// dots transposed (the group on the MMA's N) or not: "" or why it was refused (no exceptions
-// cross the module)
+// Launches stage 1 on `stream` with `stages` tiles in shared memory per warp (2 to 4): "" or
+// why it was refused (no exceptions cross the module)
 const char* fp8_decode_launch(const Fp8DecodeParams& p, int batch, int kv_heads, int stages,
-                              bool transposed, cudaStream_t stream);
+                              cudaStream_t stream);

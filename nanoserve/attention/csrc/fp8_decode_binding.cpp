@@ -16,7 +16,7 @@ std::string decode_partials(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             torch::Tensor page_tables, torch::Tensor context_lens,
                             c10::optional<torch::Tensor> starts, torch::Tensor mid_o,
                             torch::Tensor mid_lse, double scale, int64_t page_shift,
-                            int64_t stages, bool transposed, int64_t stream) {
+                            int64_t stages, int64_t stream) {
   Fp8DecodeParams p{};
   p.q = q.data_ptr();
   p.q_bf16 = q.scalar_type() == torch::kBFloat16;
@@ -51,8 +51,7 @@ std::string decode_partials(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   p.num_splits = static_cast<int>(mid_o.size(2));
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   return fp8_decode_launch(p, static_cast<int>(q.size(0)), static_cast<int>(k_cache.size(2)),
-                           static_cast<int>(stages), transposed,
-                           reinterpret_cast<cudaStream_t>(stream));
+                           static_cast<int>(stages), reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // namespace
