@@ -60,8 +60,9 @@ class Tiles(NamedTuple):
     tma: bool = False  # K/V tiles through TMA descriptors (async copies to shared memory)
     transposed: bool = False  # scores [tokens, group], accumulator [head_dim, group]
     # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it builds, num_stages
-    # tiles deep; Triton's where it does not
+    # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
+    cuda_split_factor: float = 0.5
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -75,6 +76,9 @@ class Tiles(NamedTuple):
 # dots: FP8 and batched bf16 (module docstring). At small batches FP8 runs the CUDA kernel,
 # 3 tiles deep (session 19, 1 x 128K: 107.9 us against Triton's 111.3; 1 x 1M: 724.7 against
 # 774.3; 64 x 512, equal, stays Triton's); Triton's takes 3 stages too where it runs instead.
+# The CUDA kernel's blocks take twice num_splits_for's tokens: they start half as often (each
+# reads its page numbers and q and fills its pipeline first): session 24, 1 x 128K 98.4 us at
+# x0.5 against 106.7 at x1 and 113.9 at x2; 1 x 1M 699.6 against 721.0 and 734.8.
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
          "fp8": Tiles(128, 4, 3, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
@@ -369,7 +373,9 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     if q.dtype == torch.float32 and scaled:  # float32 dots on e4m3 tiles (references, tests):
         # 64-token tiles keep their widened operands within sm86 / sm89's 99 KB of shared memory
         tiles = tiles._replace(block_n=min(tiles.block_n, 64))
-    num_splits *= tiles.split_factor
+    cuda = scaled and tiles.cuda and cuda_fp8_decode.available(q, k_cache, page_size)
+    num_splits = max(1, round(num_splits * (tiles.cuda_split_factor if cuda
+                                            else tiles.split_factor)))
     if scaled:
         assert k_scale.stride() == v_scale.stride()
     else:  # never read: the unscaled kernel has no scale loads
@@ -387,7 +393,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     # one split stores no log-sum-exp: nothing to allocate
     mid_lse = mid_o if direct else \
         torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    if scaled and tiles.cuda and not direct and cuda_fp8_decode.available(q, k_cache, page_size):
+    if cuda and not direct:
         cuda_fp8_decode.decode_partials(q, k_cache, v_cache, k_scale, v_scale, page_tables,
                                         context_lens, scale, starts, mid_o, mid_lse,
                                         stages=tiles.num_stages)
