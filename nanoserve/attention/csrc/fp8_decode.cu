@@ -141,16 +141,14 @@ struct TileSource {
   const int32_t* table;
   const int* pages;  // the split's pages from first_page on, or nullptr: read from the table
   int first_page;
-  const uint8_t* k_head;  // the kv head's bytes at token 0 of page 0
+  const uint8_t* k_head;  // the kv head's bytes at token 0 of page 0, plus the lane's K offset
   const uint8_t* v_head;  // likewise for V
   const float* ks_head;
   const float* vs_head;
   int start, ctx, lane;
-  // in a page, from the tile's first token: the bytes this lane copies, K's 8 and V's 8 (the
-  // layout above), its scale (in floats), and where its K copies land. A warp's K copy reads
-  // 4 whole 128-byte rows (token 4r + lane / 8, bytes 16 (lane % 8)), each 16 bytes landing in
-  // the slot of the lane whose fragment holds them: every line is read by one request
-  int k_row[8], v_row[8], s_row, k_chunk, k_lane;
+  // in a page: the lane's K rows 8n + g and V rows (the layout above), in bytes from the
+  // tile's first token; the lane's scale, in floats
+  int k_row[4], v_row[8], s_row;
 
   __device__ TileSource(const Fp8DecodeParams& p_, const int32_t* table_, const int* pages_,
                         int first_page_, const uint8_t* k_, const uint8_t* v_, const float* ks_,
@@ -159,17 +157,12 @@ struct TileSource {
         ks_head(ks_), vs_head(vs_), start(start_), ctx(ctx_), lane(lane_) {
     const int g = lane / 4, j = lane % 4;
 #pragma unroll
-    for (int k = 0; k < 8; ++k)
-      k_row[k] = (4 * k + lane / 8) * static_cast<int>(p.stride_kt) + 16 * (lane % 8);
+    for (int n = 0; n < 4; ++n) k_row[n] = (8 * n + g) * static_cast<int>(p.stride_kt);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       v_row[i] = (16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1)) *
-                     static_cast<int>(p.stride_vt) + 16 * g;
+                 static_cast<int>(p.stride_vt);
     s_row = lane * static_cast<int>(p.stride_st);
-    // token t = 4r + lane / 8 is row g = t % 8 of chunk pair t / 8 = r / 2; byte 16c
-    // (c = lane % 8) is lane j = c % 4's, in the pair's chunk c / 4
-    k_chunk = (lane % 8) / 4;
-    k_lane = 4 * (lane / 8) + lane % 4;
   }
 
   __device__ __forceinline__ bool real(int tok) const { return tok >= start && tok < ctx; }
@@ -188,9 +181,11 @@ struct TileSource {
       const uint8_t* v = v_head + page * p.stride_vp + first * static_cast<int>(p.stride_vt);
       const int64_t s = page * p.stride_sp + first * static_cast<int>(p.stride_st) + s_row;
 #pragma unroll
-      for (int r = 0; r < 8; ++r)
-        copy16(&st.data[(r & ~1) + k_chunk][16 * (r & 1) + k_lane], k + k_row[r],
-               full || real(t0 + 4 * r + lane / 8));
+      for (int n = 0; n < 4; ++n) {
+        const bool in = full || real(t0 + 8 * n + g);
+        copy16(&st.data[2 * n][lane], k + k_row[n], in);
+        copy16(&st.data[2 * n + 1][lane], k + k_row[n] + 64, in);
+      }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int tok = 16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1);
@@ -213,15 +208,14 @@ struct TileSource {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int tok = t0 + 8 * n + g;
-      const uint8_t* at = from(k_head + 16 * j, p.stride_kp, p.stride_kt, tok);
+      const uint8_t* at = from(k_head, p.stride_kp, p.stride_kt, tok);
       copy16(&st.data[2 * n][lane], at, real(tok));
       copy16(&st.data[2 * n + 1][lane], at + 64, real(tok));
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int tok = t0 + 16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1);
-      copy16(&st.data[8 + i][lane], from(v_head + 16 * g, p.stride_vp, p.stride_vt, tok),
-             real(tok));
+      copy16(&st.data[8 + i][lane], from(v_head, p.stride_vp, p.stride_vt, tok), real(tok));
     }
     const int tok = t0 + lane;
     const int64_t s = real(tok) ? table[tok >> p.page_shift] * p.stride_sp +
@@ -280,7 +274,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int i = threadIdx.x; i < num_pages; i += WARPS * 32) cached[i] = table[first_page + i];
   __syncthreads();
   const TileSource source{p, table, use_cache ? cached : nullptr, first_page,
-                          p.k + kvh * p.stride_kh, p.v + kvh * p.stride_vh,
+                          p.k + kvh * p.stride_kh + 16 * j, p.v + kvh * p.stride_vh + 16 * g,
                           p.k_scale + kvh * p.stride_sh, p.v_scale + kvh * p.stride_sh,
                           start, ctx, lane};
   // the warp's tiles are tile_lo + warp + WARPS x i; the first STAGES - 1 go in flight now.
