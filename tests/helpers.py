@@ -117,7 +117,8 @@ def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
     plan = llm.engine.kv.plan
     assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
     out = llm.generate(prompt, params)[0]
-    assert out.error is None and out.token_ids == resident
+    assert out.error is None, out.error
+    assert out.token_ids == resident, (out.token_ids, resident)
 
 
 def cuttings(text: str) -> list[list[str]]:

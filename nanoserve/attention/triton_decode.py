@@ -129,12 +129,14 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
 
 # What differs between a decode graph's buffers and an eager step's tensors is left
 # unspecialized, so that one compiled kernel serves both: the split count (a function of the
-# batch size: num_splits_for), the log-sum-exps' strides that scale with it, and the page
-# table's width. The eager decode rows of mixed steps come in any number and width; as
-# specialized values each new one compiled kernels inside a request (20 of them, about 4 s, in a
-# 32 x 4,096 prefill). The outputs' strides stay specialized: multiples of head_dim, they keep
-# their stores vectorized at every split count.
-_SPLIT_ARGS = ["num_splits", "stride_mlb", "stride_mlh"]
+# batch size: num_splits_for) with the strides that scale with it, and the page table's width.
+# The eager decode rows of mixed steps come in any number and width; as specialized values each
+# new one compiled kernels inside a request (20 of them, about 4 s, in a 32 x 4,096 prefill).
+# The outputs' strides were specialized again for a while (session 23's review, for vectorized
+# stores): from then on an offloaded Qwen3-8B at 32K with the CPU attending a share decoded
+# other tokens than the resident engine (tests/test_gpu_cpu_share.py, bisected on an H200 in
+# session 24); unspecialized, it equals the resident engine.
+_SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
 _MERGE_SPLITS = 16  # splits the merge kernel reads a step: one compiled merge for every count
 
 
