@@ -100,15 +100,18 @@ def test_triton_decode_reads_fp8_like_a_float64_reference_on_its_values(lens, he
     assert rel < 1e-2, f"relative error {rel}"
 
 
-@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "triton"])
-@pytest.mark.parametrize("ctx", [131072, 1048576])
-def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
+@pytest.mark.parametrize("ctx, cuda, two_splits", [
+    (131072, True, False), (131072, False, False), (1048576, True, False),
+    (1048576, False, False), (1048576, True, True)],
+    ids=["128k-cuda", "128k-triton", "1m-cuda", "1m-triton", "1m-cuda-two-splits"])
+def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda, two_splits):
     """The engine's FP8 decode (default tiles, the CUDA kernel and Triton's, the engine's split
     count for the context) over one
     context of 128K and of 1M tokens (2.2 GB of one layer's K and V, offsets past 2^31 bytes
     of the layer's cache), three queries on it, against float64 on the dequantized values.
     Unit-scale K/V and queries spread the softmax over every token: the sums run over the
-    whole context, not a few dominant tokens."""
+    whole context, not a few dominant tokens. two_splits: the CUDA kernel's splits of 2,048
+    pages each, past the page numbers a block keeps in shared memory (read from the table)."""
     from nanoserve.attention.triton_decode import TILES, num_splits_for, paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(ctx % 9973)
@@ -133,8 +136,11 @@ def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
                             torch.cuda.get_device_properties(0).multi_processor_count)
     if cuda and not cuda_fp8_decode.available(q, k, page_size):
         pytest.skip("the CUDA FP8 kernel does not build or run here")
+    tiles = TILES["fp8"]._replace(cuda=cuda)
+    if two_splits:
+        splits, tiles = 2, tiles._replace(cuda_split_factor=1)
     out = paged_decode_attention(q, k, v, table, lens, scale, splits, k_scale=k_scale,
-                                 v_scale=v_scale, tiles=TILES["fp8"]._replace(cuda=cuda))
+                                 v_scale=v_scale, tiles=tiles)
     group = heads // kv_heads
     ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
     for h in range(kv_heads):  # one kv head at a time: 1M x 128 float64 is 1 GB
@@ -157,8 +163,8 @@ def test_fp8_decode_at_128k_and_1m_against_float64(ctx, cuda):
 def test_cuda_fp8_decode_reads_like_a_float64_reference(lens, heads, kv_heads, page_size,
                                                         stages):
     """The CUDA kernel (csrc/fp8_decode.cu) against float64 on the dequantized values, with
-    the Triton kernel's bound: groups of 4, 7, 1 and 16 (its two row halves), pages of 16 and
-    256 tokens, lengths that end mid-tile and mid-page (NaN bytes past each context), rows
+    the Triton kernel's bound: groups of 4, 7, 1 and 16 (its two N tiles of 8 heads), pages of
+    16 and 256 tokens, lengths that end mid-tile and mid-page (NaN bytes past each context), rows
     of mixed lengths; its partials merged by Triton's stage 2, and over [start, length) as
     the CPU split asks (the first `start` tokens left out, compared with float64 on the
     rest); with 2 to 4 tiles in each warp's copy pipeline (one warp's tiles are fewer than

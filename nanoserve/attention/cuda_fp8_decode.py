@@ -1,8 +1,8 @@
-"""Stage 1 of FP8 decode attention in CUDA (csrc/fp8_decode.cu): tensor-core MMAs fed straight
-from global memory, for head_dim 128 and GQA groups of 1-16 on GPUs with e4m3 conversion
-(compute capability 8.9 and later). Built at first use through torch's cpp_extension (nvcc);
-where it cannot be built, or for other shapes, attention/triton_decode.py's kernel runs
-(`available` says which)."""
+"""Stage 1 of FP8 decode attention in CUDA (csrc/fp8_decode.cu): tensor-core MMAs fed from
+lane-private shared memory slots (asynchronous copies, a few tiles deep), for head_dim 128 and
+GQA groups of 1-16 on GPUs with e4m3 conversion (compute capability 8.9 and later). Built at
+first use through torch's cpp_extension (nvcc); where it cannot be built, or for other shapes,
+attention/triton_decode.py's kernel runs (`available` says which)."""
 
 from __future__ import annotations
 

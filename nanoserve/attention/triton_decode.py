@@ -32,6 +32,7 @@ asynchronously): with TMA tiles at 64 x 512, 34.9 us against 35.7, so batched bf
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -97,7 +98,8 @@ def warm_decode(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     table = torch.ones(1, 1, dtype=torch.int32, device=device)
     lens = torch.full((1,), 256, dtype=torch.int32, device=device)
-    paged_decode_attention(q, k, k, table, lens, 1.0, 2, k_scale=scales, v_scale=scales)
+    # 4 splits: the CUDA kernel's share of them is 2, never the one split Triton writes directly
+    paged_decode_attention(q, k, k, table, lens, 1.0, 4, k_scale=scales, v_scale=scales)
     torch.cuda.synchronize(device)
 
 
@@ -376,8 +378,10 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         # 64-token tiles keep their widened operands within sm86 / sm89's 99 KB of shared memory
         tiles = tiles._replace(block_n=min(tiles.block_n, 64))
     cuda = scaled and tiles.cuda and cuda_fp8_decode.available(q, k_cache, page_size)
-    num_splits = max(1, round(num_splits * (tiles.cuda_split_factor if cuda
-                                            else tiles.split_factor)))
+    if cuda:  # at least 2: one split would take Triton's direct path instead
+        num_splits = max(2, math.ceil(num_splits * tiles.cuda_split_factor))
+    else:
+        num_splits *= tiles.split_factor
     if scaled:
         assert k_scale.stride() == v_scale.stride()
     else:  # never read: the unscaled kernel has no scale loads

@@ -22,7 +22,8 @@ def main() -> None:
     q, k, v, ks, vs, table, lens, _ = case(1, args.ctx, FP8, dev)
     splits = num_splits_for(1, KV_HEADS, args.ctx, torch.cuda.get_device_properties(0)
                             .multi_processor_count)
-    tiles = TILES["fp8"]._replace(split_factor=1, cuda=not args.triton, num_stages=args.stages)
+    tiles = TILES["fp8"]._replace(split_factor=1, cuda_split_factor=1, cuda=not args.triton,
+                                  num_stages=args.stages)
     for _ in range(3):
         paged_decode_attention(q, k, v, table, lens, D**-0.5, splits, k_scale=ks, v_scale=vs,
                                tiles=tiles)

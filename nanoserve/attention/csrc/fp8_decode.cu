@@ -121,7 +121,7 @@ __device__ __forceinline__ uint4 load_slot(const uint4& slot) {
 }
 
 // One tile's bytes for one warp. data[chunk][lane], 16 bytes each: K token 8n + g's bytes
-// 16j.. and 64 + 16j.. as chunks 2n and 2n + 1; V chunk 8 + 4ks + i holds token 16ks + 2j +
+// 16j.. and 64 + 16j.. as chunks 2n and 2n + 1; V chunk 8 + 4h + i holds token 16h + 2j +
 // (i & 1) + 8 (i >> 1), its 16 bytes at head_dim 16g. k_scale, v_scale: token i's, copied
 // by lane i
 struct alignas(16) Stage {
@@ -131,7 +131,10 @@ struct alignas(16) Stage {
 };
 
 // the block's page numbers in shared memory, after the stages: a split of up to this many
-// pages (128K tokens at 256-token pages) reads none of them in its loop
+// pages (128K tokens at 256-token pages) reads none of them in its loop. Fewer where the
+// device's shared memory a block ends sooner (sm_86 / sm_89 / sm_120: 99 KB, the 3 stages'
+// 99 KB leave none): the launch says how many (Fp8DecodeParams::cached_pages), and a longer
+// split reads its pages from the table
 constexpr int CACHED_PAGES = 512;
 
 // Where one warp's copies of a tile go from: the tile's tokens [t0, t0 + 32) and which of
@@ -236,7 +239,7 @@ template <bool UPPER, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 fp8_decode_split_kernel(const Fp8DecodeParams p) {
   constexpr int NT = UPPER ? 2 : 1;  // N tiles of 8 heads
-  extern __shared__ Stage stages[];  // [warp][STAGES], then CACHED_PAGES page numbers
+  extern __shared__ Stage stages[];  // [warp][STAGES], then p.cached_pages page numbers
   const int b = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, j = lane % 4;
@@ -269,7 +272,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   const int first_page = (tile_lo * TILE) >> p.page_shift;
   const int num_pages =
       tile_lo < tile_hi ? ((tile_hi * TILE - 1) >> p.page_shift) - first_page + 1 : 0;
-  const bool use_cache = p.page_shift >= 5 && num_pages <= CACHED_PAGES;
+  const bool use_cache = p.page_shift >= 5 && num_pages <= p.cached_pages;
   if (use_cache)
     for (int i = threadIdx.x; i < num_pages; i += WARPS * 32) cached[i] = table[first_page + i];
   __syncthreads();
@@ -447,8 +450,10 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     }
   }
 
-  // the warps' partials, merged as above: o_s[w][head][dim] (pitch 129: a store's lanes meet
-  // at most four to a bank, the merge's reads none)
+  // the warps' partials, merged: each head's sum over its lanes, the output in true units,
+  // o_s[w][head][dim] (pitch 129: a store's lanes meet at most four to a bank, the merge's
+  // reads none). They reuse the stages' memory, once every copy has landed and every warp has
+  // read its last
   constexpr int PITCH = D + 1;
   wait_until_pending<0>();
   __syncthreads();
@@ -500,14 +505,24 @@ constexpr int MERGE_BYTES = (WARPS * 16 * (D + 1) + 2 * WARPS * 16) * sizeof(flo
 
 template <bool UPPER, int STAGES>
 const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = WARPS * STAGES * sizeof(Stage) + CACHED_PAGES * sizeof(int);
-  static_assert(bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
+  constexpr int stage_bytes = WARPS * STAGES * sizeof(Stage);
+  static_assert(stage_bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
+  // the page numbers take what the device has past the stages, up to CACHED_PAGES
+  int device = 0, most = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  if (most < stage_bytes) return "fp8_decode: the stages do not fit this GPU's shared memory";
+  Fp8DecodeParams args = p;
+  args.cached_pages = min(CACHED_PAGES, static_cast<int>((most - stage_bytes) / sizeof(int)));
+  const int bytes = stage_bytes + args.cached_pages * static_cast<int>(sizeof(int));
   // past 48 KiB a kernel asks for its shared memory, on the current device (not a stream
   // operation: allowed while a graph captures, as flash-attn's launches do)
   const cudaError_t asked = cudaFuncSetAttribute(
       fp8_decode_split_kernel<UPPER, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (asked != cudaSuccess) return cudaGetErrorString(asked);
-  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(p);
+  fp8_decode_split_kernel<UPPER, STAGES><<<grid, WARPS * 32, bytes, stream>>>(args);
   return nullptr;
 }
 

@@ -27,6 +27,7 @@ struct Fp8DecodeParams {
   int64_t stride_mob, stride_moh, stride_mos;
   int64_t stride_mlb, stride_mlh;
   int group, page_shift, num_splits;
+  int cached_pages;  // page numbers a block keeps in shared memory (set by the launch)
   float scale_log2;  // softmax scale x log2(e)
   bool q_bf16;
 };
