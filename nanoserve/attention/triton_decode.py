@@ -399,7 +399,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     # one split stores no log-sum-exp: nothing to allocate
     mid_lse = mid_o if direct else \
         torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    if cuda and not direct:
+    if cuda:  # (never direct: at least 2 splits)
         cuda_fp8_decode.decode_partials(q, k_cache, v_cache, k_scale, v_scale, page_tables,
                                         context_lens, scale, starts, mid_o, mid_lse,
                                         stages=tiles.num_stages)

@@ -503,16 +503,31 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
 
 constexpr int MERGE_BYTES = (WARPS * 16 * (D + 1) + 2 * WARPS * 16) * sizeof(float);
 
+// The current device's shared memory a block may opt into, asked of the driver once per device
+// (a launch of an eager step would ask again otherwise); nullptr or why it could not be asked
+const char* shared_memory_limit(int* most) {
+  constexpr int DEVICES = 64;
+  static int known[DEVICES] = {};  // 0: not asked yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  if (device < DEVICES && known[device] > 0) {
+    *most = known[device];
+    return nullptr;
+  }
+  err = cudaDeviceGetAttribute(most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  if (device < DEVICES) known[device] = *most;
+  return nullptr;
+}
+
 template <bool UPPER, int STAGES>
 const char* launch(const Fp8DecodeParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int stage_bytes = WARPS * STAGES * sizeof(Stage);
   static_assert(stage_bytes >= MERGE_BYTES, "the merge reuses the stages' shared memory");
   // the page numbers take what the device has past the stages, up to CACHED_PAGES
-  int device = 0, most = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
+  int most = 0;
+  if (const char* failed = shared_memory_limit(&most)) return failed;
   if (most < stage_bytes) return "fp8_decode: the stages do not fit this GPU's shared memory";
   Fp8DecodeParams args = p;
   args.cached_pages = min(CACHED_PAGES, static_cast<int>((most - stage_bytes) / sizeof(int)));
