@@ -61,21 +61,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   return out;
 }
 
-// How e4m3 widens to float16 (a build flag, for tools/probes/fp8_dequant_forms.py): 0, the
-// conversion instruction; 1, bit moves (the value times 2^-8, folded into the scales); 2, none
-// (wrong values, the same data flow: what the conversions cost)
-#ifndef FP8_DECODE_DEQUANT
-#define FP8_DECODE_DEQUANT 0
-#endif
-constexpr float WIDENED = FP8_DECODE_DEQUANT == 1 ? 256.f : 1.f;  // true value / widened
-
-// e4m3 bytes 1 and 3 of w as float16 x 2^-8, exactly: the sign to bit 15, the other seven
-// bits (exponent, mantissa) to bits 7-13, as float16's exponent bias is e4m3's plus 8 (the
-// subnormals map to float16's subnormals)
-__device__ __forceinline__ uint32_t e4m3_odd_bytes_to_f16x2(uint32_t w) {
-  return (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
-}
-
 __device__ __forceinline__ uint32_t permute(uint32_t a, uint32_t b, uint32_t selector) {
   uint32_t out;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
@@ -311,13 +296,8 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   for (int u = 0; u < NT; ++u)
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
-#if FP8_DECODE_DEQUANT == 1  // K's k order: bytes 0, 2, then 1, 3
-      qb[u][t][0] = pack_f16(q[u][t][0], q[u][t][2]);
-      qb[u][t][1] = pack_f16(q[u][t][1], q[u][t][3]);
-#else
       qb[u][t][0] = pack_f16(q[u][t][0], q[u][t][1]);
       qb[u][t][1] = pack_f16(q[u][t][2], q[u][t][3]);
-#endif
     }
 
   // o[u][i]: head_dim 16g + i (elements 0, 1) and 16g + 8 + i (2, 3) of heads 8u + 2j, + 1
@@ -359,16 +339,8 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       const uint32_t w1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
-#if FP8_DECODE_DEQUANT == 1  // k = 2j, 2j + 1 from bytes 0, 2; 2j + 8, 2j + 9 from 1, 3
-        const uint32_t a[4] = {
-            e4m3_odd_bytes_to_f16x2(w0[t] << 8), e4m3_odd_bytes_to_f16x2(w1[t] << 8),
-            e4m3_odd_bytes_to_f16x2(w0[t]), e4m3_odd_bytes_to_f16x2(w1[t])};
-#elif FP8_DECODE_DEQUANT == 2
-        const uint32_t a[4] = {w0[t], w1[t], w0[t] >> 16, w1[t] >> 16};
-#else
         const uint32_t a[4] = {e4m3x2_to_f16x2(w0[t] & 0xFFFF), e4m3x2_to_f16x2(w1[t] & 0xFFFF),
                                e4m3x2_to_f16x2(w0[t] >> 16), e4m3x2_to_f16x2(w1[t] >> 16)};
-#endif
 #pragma unroll
         for (int u = 0; u < NT; ++u) mma(sc[u][h], a, qb[u][t][0], qb[u][t][1]);
       }
@@ -378,7 +350,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        k_scale[h][r] = st.k_scale[16 * h + 8 * r + g] * (p.scale_log2 * WIDENED);
+        k_scale[h][r] = st.k_scale[16 * h + 8 * r + g] * p.scale_log2;
         v_scale[h][r] = st.v_scale[16 * h + 8 * r + g];
       }
 #pragma unroll
@@ -437,7 +409,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
           o[u][i][3] *= alpha[u][1] * unit;
         }
     }
-    const float inv = WIDENED / v_ref;
+    const float inv = 1.f / v_ref;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the PV k-step over tokens 16h .. 16h + 15
       // P^T's B fragments: tokens 16h + 2j, + 1 (first) and 16h + 8 + 2j, + 1 of head 8u + g
@@ -461,32 +433,17 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
       uint32_t lo[16], hi[16];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-#if FP8_DECODE_DEQUANT == 1  // x01: bytes 0, 1 of tokens 2j, then 2j + 1; y01 bytes 2, 3
-        const uint32_t x01 = permute(a[w], bb[w], 0x5410), y01 = permute(a[w], bb[w], 0x7632);
-        const uint32_t x89 = permute(c[w], d[w], 0x5410), y89 = permute(c[w], d[w], 0x7632);
-        lo[4 * w] = e4m3_odd_bytes_to_f16x2(x01 << 8), lo[4 * w + 1] = e4m3_odd_bytes_to_f16x2(x01);
-        lo[4 * w + 2] = e4m3_odd_bytes_to_f16x2(y01 << 8);
-        lo[4 * w + 3] = e4m3_odd_bytes_to_f16x2(y01);
-        hi[4 * w] = e4m3_odd_bytes_to_f16x2(x89 << 8), hi[4 * w + 1] = e4m3_odd_bytes_to_f16x2(x89);
-        hi[4 * w + 2] = e4m3_odd_bytes_to_f16x2(y89 << 8);
-        hi[4 * w + 3] = e4m3_odd_bytes_to_f16x2(y89);
-#else
         const uint32_t x01 = permute(a[w], bb[w], 0x5140), y01 = permute(a[w], bb[w], 0x7362);
         const uint32_t x89 = permute(c[w], d[w], 0x5140), y89 = permute(c[w], d[w], 0x7362);
         lo[4 * w] = x01 & 0xFFFF, lo[4 * w + 1] = x01 >> 16;
         lo[4 * w + 2] = y01 & 0xFFFF, lo[4 * w + 3] = y01 >> 16;
         hi[4 * w] = x89 & 0xFFFF, hi[4 * w + 1] = x89 >> 16;
         hi[4 * w + 2] = y89 & 0xFFFF, hi[4 * w + 3] = y89 >> 16;
-#endif
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-#if FP8_DECODE_DEQUANT == 0
         const uint32_t va4[4] = {e4m3x2_to_f16x2(lo[i]), e4m3x2_to_f16x2(lo[8 + i]),
                                  e4m3x2_to_f16x2(hi[i]), e4m3x2_to_f16x2(hi[8 + i])};
-#else
-        const uint32_t va4[4] = {lo[i], lo[8 + i], hi[i], hi[8 + i]};
-#endif
 #pragma unroll
         for (int u = 0; u < NT; ++u) mma(o[u][i], va4, pb[u][0], pb[u][1]);
       }
