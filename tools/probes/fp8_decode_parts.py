@@ -8,6 +8,7 @@ Usage (GPU): python tools/probes/fp8_decode_parts.py [--ctx 131072,1048576]"""
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -46,7 +47,8 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    builds = {part: build(part) for part in PARTS}
+    with ThreadPoolExecutor(len(PARTS)) as pool:  # three nvcc builds at once
+        builds = dict(zip(PARTS, pool.map(build, PARTS), strict=True))
     for ctx in map(int, args.ctx.split(",")):
         q, k, v, ks, vs, table, lens, nbytes = td.case(1, ctx, FP8, dev)
         splits = num_splits_for(1, td.KV_HEADS, ctx, sms)
