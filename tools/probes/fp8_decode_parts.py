@@ -1,6 +1,6 @@
 """Where the CUDA FP8 decode kernel's time goes, by taking its loop apart: built with
 FP8_DECODE_PROBE=1 it only copies each tile into shared memory (the same copies, pipeline and
-grid), with 2 the scores' MMAs run too, with 0 everything (the kernel as shipped). Beside them,
+grid), with 2 the scores' MMAs run too, with 3 only the values are copied (not the scales), with 0 everything (the kernel as shipped). Beside them,
 Triton's bf16 kernel over the same bytes (half the tokens). If the copies alone run near the
 full kernel's time, the reads are the limit, not the loop's work. Qwen3-8B shape, CUDA graphs.
 Usage (GPU): python tools/probes/fp8_decode_parts.py [--ctx 131072,1048576]"""
@@ -19,7 +19,7 @@ from nanoserve.attention.extensions import load_extension
 from nanoserve.attention.triton_decode import TILES, num_splits_for, paged_decode_attention
 from nanoserve.kv.fp8_format import FP8
 
-PARTS = {0: "everything", 1: "copies alone", 2: "copies + scores"}
+PARTS = {0: "everything", 1: "copies alone", 2: "copies + scores", 3: "values' copies"}
 
 
 def build(part: int):

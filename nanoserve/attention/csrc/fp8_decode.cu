@@ -50,7 +50,7 @@
 namespace {
 
 #ifndef FP8_DECODE_PROBE
-#define FP8_DECODE_PROBE 0  // 1, 2: parts of the loop alone, for timing (wrong results)
+#define FP8_DECODE_PROBE 0  // 1-3: parts of the loop alone, for timing (wrong results)
 #endif
 constexpr int WARPS = 4;
 constexpr int TILE = FP8_DECODE_TILE;
@@ -198,6 +198,7 @@ struct TileSource {
         copy16(&st.data[8 + i][lane], v + v_row[i], full || real(t0 + tok));
       }
       const bool in = full || real(t0 + lane);
+      if (FP8_DECODE_PROBE == 3) return;  // the values' copies alone
       copy4(&st.k_scale[lane], ks_head + s, in);
       copy4(&st.v_scale[lane], vs_head + s, in);
       return;
@@ -326,7 +327,7 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     const Stage& st = mine[slot];
     slot = slot == STAGES - 1 ? 0 : slot + 1;
     const int t0 = tile * TILE;
-#if FP8_DECODE_PROBE == 1  // the copies alone (tools/probes/fp8_decode_parts.py)
+#if FP8_DECODE_PROBE == 1 || FP8_DECODE_PROBE == 3  // the copies alone (3: not the scales')
     if (st.data[0][lane].x == 0x9E3779B9u) o[0][0][0] += 1.f;
     continue;
 #endif
