@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|decodeparts|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -162,8 +162,6 @@ for w in $what; do
     tp128k)  # issue 15: offloaded 128K, every layer streamed, TP 1 and every GPU
       run $B --input-len 131072 --offload-graph --tensor-parallel-size "1,$(nvidia-smi -L | wc -l)" \
         --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v -E "(it|tok)/s\]" | tail -12 ;;
-    decodeparts)  # issue 34: the FP8 decode kernel's loop taken apart (copies alone, + scores)
-      run python3 tools/probes/fp8_decode_parts.py 2>&1 | tee "$OUT/decode_parts.log" ;;
     copyforms)  # issue 34: an FP8 kv head's tiles pulled by each copy form, no attention work
       run python3 tools/probes/copy_forms.py 2>&1 | tee "$OUT/copy_forms.log" ;;
     pageorder)  # issue 34: decode's read rate with a sequence's pages scattered or ascending

@@ -5,23 +5,25 @@
 // setting (docs/perf-notes.md, session 18).
 //
 // Block (sequence b, kv head h, split s): 4 warps, each taking every fourth 32-token tile of
-// the split; the warps' partials merge in shared memory at the end. Each lane copies the
-// bytes its own MMA fragments need (cp.async, STAGES tiles deep: the next tiles' loads are in
-// flight while this one computes) into lane-private shared memory slots, [chunk][lane], and
-// reads them back in the layout of an m16n8k16 MMA fragment: no layout shuffles and no
-// barriers between the loads and the MMAs. The scales are the warp's: lane i copies token
-// i's, and every lane reads its tokens' after a warp sync.
+// the split; the warps' partials merge in shared memory at the end. A warp copies its tiles
+// (cp.async, STAGES tiles deep: the next tiles' loads are in flight while this one computes)
+// as whole 128-byte token rows, 8 lanes a row, into rows of swizzled 16-byte chunks (Stage,
+// swizzle), and each lane reads back the chunks of its m16n8k16 MMA fragments with no bank
+// conflict: no layout shuffles, and only a warp sync between the loads and the MMAs. The
+// copies' lanes must not scatter: a quarter warp's 16-byte pieces from 4 rows (each lane
+// copying the bytes its own fragments need) read at 3.2 TB/s on an H200, from one row at 4.4
+// (tools/probes/copy_forms.py). The scales: lane i copies token i's.
 // The dots are transposed, the group on the MMA's N side (8 heads; 16 take two N tiles):
 // - scores S^T = K.Q^T [16 tokens, 8 heads] per MMA, K the A operand: lane (g = lane / 4,
 //   j = lane % 4) holds rows g and g + 8 (tokens) and four values of the MMA's k (head_dim)
 //   slice. A dot is a sum over head_dim in any order, so k-step t's values for lane j are
 //   taken as head_dim 16j + 4t + [0, 4) for t < 4 and 64 + 16j + 4(t - 4) + [0, 4) after: a
-//   lane copies two 16-byte pieces of each of its tokens (8n + g), and each of a warp's two
-//   copies reads whole 64-byte halves of 8 tokens. Q's B fragment takes the same order.
+//   lane reads two 16-byte chunks (j, 4 + j) of each of its tokens (8n + g). Q's B fragment
+//   takes the same order.
 // - the output O^T += V^T.P^T [16 of head_dim, 8 heads], V^T the A operand: lane (g, j)
 //   holds tokens 2j, 2j + 1, 2j + 8, 2j + 9 of a 16-token k-step at rows g, g + 8, so row
-//   g (g + 8) of MMA i is taken as head_dim 16g + i (16g + 8 + i): a lane copies 16
-//   contiguous bytes of each of its 4 tokens and pairs their bytes with byte permutes.
+//   g (g + 8) of MMA i is taken as head_dim 16g + i (16g + 8 + i): a lane reads chunk g of
+//   each of its 4 tokens and pairs their bytes with byte permutes.
 // - the scores' accumulator gives a lane tokens g, g + 8 of heads 2j, 2j + 1; P^T's B
 //   fragment wants tokens 2j.. of head g: each 8 x 8 quarter is one movmatrix transpose.
 //   Softmax statistics are per head (a column): a lane's running max is the warp's (reduced
@@ -39,7 +41,9 @@
 // warp per tile (per-token address arithmetic and branches, 16 scale copies a lane, the
 // output rescaled every tile) and stalled on fixed-latency dependencies at 8 warps an SM;
 // with the group on M (twice the MMAs, 168 registers) it executed 29.7M instructions at
-// 1 x 128K against the transposed form's 24.0M (111.6 against 106.5 us).
+// 1 x 128K against the transposed form's 24.0M (111.6 against 106.5 us). Widening e4m3 costs
+// nothing measurable (tools/probes/fp8_convert_rate.py): with lane-private copies the
+// kernel's copies alone took 92 of its 97 us at 1 x 128K.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,9 +53,6 @@
 
 namespace {
 
-#ifndef FP8_DECODE_PROBE
-#define FP8_DECODE_PROBE 0  // 1-3: parts of the loop alone, for timing (wrong results)
-#endif
 constexpr int WARPS = 4;
 constexpr int TILE = FP8_DECODE_TILE;
 constexpr int D = FP8_DECODE_HEAD_DIM;
@@ -123,15 +124,23 @@ __device__ __forceinline__ uint4 load_slot(const uint4& slot) {
   return v;
 }
 
-// One tile's bytes for one warp. data[chunk][lane], 16 bytes each: K token 8n + g's bytes
-// 16j.. and 64 + 16j.. as chunks 2n and 2n + 1; V chunk 8 + 4h + i holds token 16h + 2j +
-// (i & 1) + 8 (i >> 1), its 16 bytes at head_dim 16g. k_scale, v_scale: token i's, copied
-// by lane i
+// One tile's bytes for one warp: K's 32 token rows of 128 bytes, then V's, each row's 16-byte
+// chunk c kept at chunk c ^ swizzle(row). k_scale, v_scale: token i's, copied by lane i
 struct alignas(16) Stage {
-  uint4 data[16][32];
+  uint4 k[TILE][8];
+  uint4 v[TILE][8];
   float k_scale[TILE];
   float v_scale[TILE];
 };
+
+// A 16-byte access is served 8 lanes at a time: a quarter warp copies one row's 8 chunks (any
+// permutation of them meets 8 bank groups), and reading fragments it meets 8 distinct chunks
+// of 2 (K) or 4 (V) rows: K's lanes 4g + j read rows g, g + 1 (g even) at chunks j (or 4 + j),
+// and the row's parity flips bit 2; V's read rows 2j + e at chunks g, g + 1, and the rows'
+// bits 1 and 2 vary with j. Only a row's low 3 bits count
+__device__ __forceinline__ int swizzle(int row) {
+  return (((row >> 1) & 3) << 1) ^ ((row & 1) << 2);
+}
 
 // the block's page numbers in shared memory, after the stages: a split of up to this many
 // pages (128K tokens at 256-token pages) reads none of them in its loop. Fewer where the
@@ -147,27 +156,25 @@ struct TileSource {
   const int32_t* table;
   const int* pages;  // the split's pages from first_page on, or nullptr: read from the table
   int first_page;
-  const uint8_t* k_head;  // the kv head's bytes at token 0 of page 0, plus the lane's K offset
+  const uint8_t* k_head;  // the kv head's bytes at token 0 of page 0, plus the lane's chunk
   const uint8_t* v_head;  // likewise for V
   const float* ks_head;
   const float* vs_head;
   int start, ctx, lane;
-  // in a page: the lane's K rows 8n + g and V rows (the layout above), in bytes from the
-  // tile's first token; the lane's scale, in floats
-  int k_row[4], v_row[8], s_row;
+  // copy m takes row 4m + lane / 8, chunk lane % 8: its place in Stage::k (or v), in 16-byte
+  // chunks, is into[m % 2] + 64 (m / 2); the lane's scale, in floats
+  int into[2], s_row;
 
   __device__ TileSource(const Fp8DecodeParams& p_, const int32_t* table_, const int* pages_,
                         int first_page_, const uint8_t* k_, const uint8_t* v_, const float* ks_,
                         const float* vs_, int start_, int ctx_, int lane_)
       : p(p_), table(table_), pages(pages_), first_page(first_page_), k_head(k_), v_head(v_),
         ks_head(ks_), vs_head(vs_), start(start_), ctx(ctx_), lane(lane_) {
-    const int g = lane / 4, j = lane % 4;
 #pragma unroll
-    for (int n = 0; n < 4; ++n) k_row[n] = (8 * n + g) * static_cast<int>(p.stride_kt);
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      v_row[i] = (16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1)) *
-                 static_cast<int>(p.stride_vt);
+    for (int m = 0; m < 2; ++m) {
+      const int row = 4 * m + lane / 8;
+      into[m] = 8 * row + ((lane % 8) ^ swizzle(row));
+    }
     s_row = lane * static_cast<int>(p.stride_st);
   }
 
@@ -177,7 +184,8 @@ struct TileSource {
   __device__ __forceinline__ bool one_page() const { return p.page_shift >= 5; }
 
   __device__ __forceinline__ void copy(Stage& st, int t0) const {
-    const int g = lane / 4, j = lane % 4;
+    uint4* k_to = &st.k[0][0];
+    uint4* v_to = &st.v[0][0];
     const bool full = t0 >= start && t0 + TILE <= ctx;
     if (one_page()) {  // offsets from the tile's page
       const int at_page = t0 >> p.page_shift;
@@ -187,18 +195,13 @@ struct TileSource {
       const uint8_t* v = v_head + page * p.stride_vp + first * static_cast<int>(p.stride_vt);
       const int64_t s = page * p.stride_sp + first * static_cast<int>(p.stride_st) + s_row;
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const bool in = full || real(t0 + 8 * n + g);
-        copy16(&st.data[2 * n][lane], k + k_row[n], in);
-        copy16(&st.data[2 * n + 1][lane], k + k_row[n] + 64, in);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int tok = 16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1);
-        copy16(&st.data[8 + i][lane], v + v_row[i], full || real(t0 + tok));
+      for (int m = 0; m < 8; ++m) {
+        const int row = 4 * m + lane / 8;
+        const bool in = full || real(t0 + row);
+        copy16(k_to + into[m % 2] + 64 * (m / 2), k + row * static_cast<int>(p.stride_kt), in);
+        copy16(v_to + into[m % 2] + 64 * (m / 2), v + row * static_cast<int>(p.stride_vt), in);
       }
       const bool in = full || real(t0 + lane);
-      if (FP8_DECODE_PROBE == 3) return;  // the values' copies alone
       copy4(&st.k_scale[lane], ks_head + s, in);
       copy4(&st.v_scale[lane], vs_head + s, in);
       return;
@@ -213,16 +216,12 @@ struct TileSource {
                        : head;
     };
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int tok = t0 + 8 * n + g;
-      const uint8_t* at = from(k_head, p.stride_kp, p.stride_kt, tok);
-      copy16(&st.data[2 * n][lane], at, real(tok));
-      copy16(&st.data[2 * n + 1][lane], at + 64, real(tok));
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int tok = t0 + 16 * (i / 4) + 2 * j + (i & 1) + 8 * ((i / 2) & 1);
-      copy16(&st.data[8 + i][lane], from(v_head, p.stride_vp, p.stride_vt, tok), real(tok));
+    for (int m = 0; m < 8; ++m) {
+      const int tok = t0 + 4 * m + lane / 8;
+      copy16(k_to + into[m % 2] + 64 * (m / 2), from(k_head, p.stride_kp, p.stride_kt, tok),
+             real(tok));
+      copy16(v_to + into[m % 2] + 64 * (m / 2), from(v_head, p.stride_vp, p.stride_vt, tok),
+             real(tok));
     }
     const int tok = t0 + lane;
     const int64_t s = real(tok) ? table[tok >> p.page_shift] * p.stride_sp +
@@ -281,7 +280,8 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int i = threadIdx.x; i < num_pages; i += WARPS * 32) cached[i] = table[first_page + i];
   __syncthreads();
   const TileSource source{p, table, use_cache ? cached : nullptr, first_page,
-                          p.k + kvh * p.stride_kh + 16 * j, p.v + kvh * p.stride_vh + 16 * g,
+                          p.k + kvh * p.stride_kh + 16 * (lane % 8),
+                          p.v + kvh * p.stride_vh + 16 * (lane % 8),
                           p.k_scale + kvh * p.stride_sh, p.v_scale + kvh * p.stride_sh,
                           start, ctx, lane};
   // the warp's tiles are tile_lo + warp + WARPS x i; the first STAGES - 1 go in flight now.
@@ -315,6 +315,11 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
   for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = -INFINITY, l[u][0] = l[u][1] = 0.f;
   float v_ref = 1e-30f;  // the output is kept in units of this V scale, the largest seen
 
+  // the lane's chunks in the swizzled rows: K's row 16h (+ 8) + g holds its bytes 16j.. at
+  // k_lo and 64 + 16j.. at k_hi; V's rows 16h + 2j (+ 8) and 16h + 2j + 1 (+ 8) its head_dim
+  // 16g.. at v_even and v_odd
+  const int k_lo = j ^ swizzle(g), k_hi = (4 + j) ^ swizzle(g);
+  const int v_even = g ^ swizzle(2 * j), v_odd = g ^ swizzle(2 * j + 1);
   int slot = 0;
   for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
     {  // the tile STAGES - 1 ahead goes into the slot the previous step read
@@ -327,10 +332,6 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     const Stage& st = mine[slot];
     slot = slot == STAGES - 1 ? 0 : slot + 1;
     const int t0 = tile * TILE;
-#if FP8_DECODE_PROBE == 1 || FP8_DECODE_PROBE == 3  // the copies alone (3: not the scales')
-    if (st.data[0][lane].x == 0x9E3779B9u) o[0][0][0] += 1.f;
-    continue;
-#endif
     const bool full = t0 >= start && t0 + TILE <= ctx;
 
     // scores in log2 units: sc[u][h] holds tokens 16h + g (elements 0, 1) and 16h + 8 + g
@@ -340,9 +341,9 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int u = 0; u < NT; ++u) sc[u][h][0] = sc[u][h][1] = sc[u][h][2] = sc[u][h][3] = 0.f;
-      const uint4 r0a = load_slot(st.data[4 * h][lane]), r0b = load_slot(st.data[4 * h + 1][lane]);
-      const uint4 r1a = load_slot(st.data[4 * h + 2][lane]),
-                  r1b = load_slot(st.data[4 * h + 3][lane]);
+      const uint4 r0a = load_slot(st.k[16 * h + g][k_lo]), r0b = load_slot(st.k[16 * h + g][k_hi]);
+      const uint4 r1a = load_slot(st.k[16 * h + 8 + g][k_lo]),
+                  r1b = load_slot(st.k[16 * h + 8 + g][k_hi]);
       const uint32_t w0[8] = {r0a.x, r0a.y, r0a.z, r0a.w, r0b.x, r0b.y, r0b.z, r0b.w};
       const uint32_t w1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
 #pragma unroll
@@ -353,10 +354,6 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
         for (int u = 0; u < NT; ++u) mma(sc[u][h], a, qb[u][t][0], qb[u][t][1]);
       }
     }
-#if FP8_DECODE_PROBE == 2  // the copies and the scores' MMAs
-    o[0][0][0] += sc[0][0][0] + sc[0][1][3];
-    continue;
-#endif
     float k_scale[2][2], v_scale[2][2];  // [h][r]: token 16h + 8r + g's
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -433,10 +430,10 @@ fp8_decode_split_kernel(const Fp8DecodeParams p) {
           const float rel = v_scale[h][r] * inv;
           pb[u][r] = transpose8x8(pack_f16(sc[u][h][2 * r] * rel, sc[u][h][2 * r + 1] * rel));
         }
-      const uint4 va = load_slot(st.data[8 + 4 * h][lane]);
-      const uint4 vb = load_slot(st.data[9 + 4 * h][lane]);
-      const uint4 vc = load_slot(st.data[10 + 4 * h][lane]);
-      const uint4 vd = load_slot(st.data[11 + 4 * h][lane]);
+      const uint4 va = load_slot(st.v[16 * h + 2 * j][v_even]);
+      const uint4 vb = load_slot(st.v[16 * h + 2 * j + 1][v_odd]);
+      const uint4 vc = load_slot(st.v[16 * h + 2 * j + 8][v_even]);
+      const uint4 vd = load_slot(st.v[16 * h + 2 * j + 9][v_odd]);
       const uint32_t a[4] = {va.x, va.y, va.z, va.w};
       const uint32_t bb[4] = {vb.x, vb.y, vb.z, vb.w};
       const uint32_t c[4] = {vc.x, vc.y, vc.z, vc.w};
