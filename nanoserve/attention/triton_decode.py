@@ -63,7 +63,7 @@ class Tiles(NamedTuple):
     # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it builds, num_stages
     # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
-    cuda_split_factor: float = 0.25
+    cuda_split_factor: float = 0.5
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -77,10 +77,9 @@ class Tiles(NamedTuple):
 # dots: FP8 and batched bf16 (module docstring). At small batches FP8 runs the CUDA kernel,
 # 3 tiles deep (session 19, 1 x 128K: 107.9 us against Triton's 111.3; 1 x 1M: 724.7 against
 # 774.3; 64 x 512, equal, stays Triton's); Triton's takes 3 stages too where it runs instead.
-# The CUDA kernel's blocks take four times num_splits_for's tokens, about one block an SM: they
-# start less often (each reads its page numbers and q and fills its pipeline first). Session 25,
-# H200, whole-row copies: 1 x 128K 71.2 us at x0.25 against 75.1 at x0.5 and 73.0 at x0.25 with
-# 2 stages; 1 x 1M 516.9 against 557.9 (x0.5) and 541.2 (x1).
+# The CUDA kernel's blocks take twice num_splits_for's tokens: they start half as often (each
+# reads its page numbers and q and fills its pipeline first): session 24, 1 x 128K 98.4 us at
+# x0.5 against 106.7 at x1 and 113.9 at x2; 1 x 1M 699.6 against 721.0 and 734.8.
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
          "fp8": Tiles(128, 4, 3, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
