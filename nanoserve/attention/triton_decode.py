@@ -32,7 +32,6 @@ asynchronously): with TMA tiles at 64 x 512, 34.9 us against 35.7, so batched bf
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -63,7 +62,7 @@ class Tiles(NamedTuple):
     # FP8 with splits: the CUDA kernel (cuda_fp8_decode.py) where it builds, num_stages
     # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
-    cuda_split_factor: float = 0.5
+    cuda_split_factor: float = 0.25
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -77,9 +76,11 @@ class Tiles(NamedTuple):
 # dots: FP8 and batched bf16 (module docstring). At small batches FP8 runs the CUDA kernel,
 # 3 tiles deep (session 19, 1 x 128K: 107.9 us against Triton's 111.3; 1 x 1M: 724.7 against
 # 774.3; 64 x 512, equal, stays Triton's); Triton's takes 3 stages too where it runs instead.
-# The CUDA kernel's blocks take twice num_splits_for's tokens: they start half as often (each
-# reads its page numbers and q and fills its pipeline first): session 24, 1 x 128K 98.4 us at
-# x0.5 against 106.7 at x1 and 113.9 at x2; 1 x 1M 699.6 against 721.0 and 734.8.
+# The CUDA kernel's blocks take four times num_splits_for's tokens, one wave of one block an
+# SM: they start less often (each reads its page numbers and q and fills its pipeline first).
+# Session 25, H200, whole-row copies, one layer: 1 x 128K 71.2 us at x0.25 (16 splits, 128
+# blocks) against 75.1 at x0.5; 1 x 1M 516.9 against 557.9. Rounded up, x0.25 gave 17 splits
+# (136 blocks on 132 SMs): the engine's TPOT at 128K was 7.85 ms against 7.10 at x0.5.
 TILES = {"default": Tiles(64, 4, 2), "batched": Tiles(64, 4, 2, tma=True, transposed=True),
          "fp8": Tiles(128, 4, 3, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
@@ -378,8 +379,9 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         # 64-token tiles keep their widened operands within sm86 / sm89's 99 KB of shared memory
         tiles = tiles._replace(block_n=min(tiles.block_n, 64))
     cuda = scaled and tiles.cuda and cuda_fp8_decode.available(q, k_cache, page_size)
-    if cuda:  # at least 2: one split would take Triton's direct path instead
-        num_splits = max(2, math.ceil(num_splits * tiles.cuda_split_factor))
+    if cuda:  # rounded down: a quarter of num_splits_for's 4 waves is one block an SM, never
+        # a few more (those SMs would take two); at least 2: one is Triton's direct path
+        num_splits = max(2, int(num_splits * tiles.cuda_split_factor))
     else:
         num_splits *= tiles.split_factor
     if scaled:

@@ -36,8 +36,9 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem(dst)), "l"(src));
 }
 __device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(bar)) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(bar)) : "memory");
 }
 __device__ __forceinline__ void expect(uint64_t* bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes)
@@ -142,7 +143,8 @@ __global__ void __launch_bounds__(WARPS * 32) copy_kernel(const Args a) {
     for (int tile = tile_lo + warp; tile < tile_hi; tile += WARPS) {
       const int ahead = tile + WARPS * (STAGES - 1);
       const int prev = slot == 0 ? STAGES - 1 : slot - 1;
-      if (ahead < tile_hi) issue<FORM>(a, mine + prev * TILE_BYTES, bars + prev, kvh, ahead * TILE, lane);
+      if (ahead < tile_hi)
+        issue<FORM>(a, mine + prev * TILE_BYTES, bars + prev, kvh, ahead * TILE, lane);
       asm volatile("cp.async.commit_group;");
       if (FORM == 2) {
         wait_phase(bars + slot, (phases >> slot) & 1);
@@ -160,7 +162,8 @@ __global__ void __launch_bounds__(WARPS * 32) copy_kernel(const Args a) {
 template <int FORM, int STAGES>
 void launch(const Args& a, int kv_heads) {
   const int bytes = WARPS * STAGES * (TILE_BYTES + 8);
-  cudaFuncSetAttribute(copy_kernel<FORM, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  cudaFuncSetAttribute(copy_kernel<FORM, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       bytes);
   copy_kernel<FORM, STAGES><<<dim3(1, kv_heads, a.num_splits), WARPS * 32, bytes,
                               at::cuda::getCurrentCUDAStream()>>>(a);
 }
@@ -168,7 +171,8 @@ void launch(const Args& a, int kv_heads) {
 
 void run(int64_t form, int64_t stages, torch::Tensor k, torch::Tensor v, torch::Tensor table,
          int64_t ctx, int64_t page_shift, int64_t splits, torch::Tensor out) {
-  Args a{reinterpret_cast<const uint8_t*>(k.data_ptr()), reinterpret_cast<const uint8_t*>(v.data_ptr()),
+  Args a{reinterpret_cast<const uint8_t*>(k.data_ptr()),
+         reinterpret_cast<const uint8_t*>(v.data_ptr()),
          table.data_ptr<int>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          static_cast<int>(ctx), static_cast<int>(page_shift), static_cast<int>(splits),
          out.data_ptr<float>()};
@@ -202,7 +206,7 @@ def main() -> None:
         shift = k.shape[1].bit_length() - 1
         for form, name in FORMS.items():
             for stages in STAGES[form]:
-                def copy(form=form, stages=stages):
+                def copy(form=form, stages=stages, k=k, v=v, table=table):
                     mod.run(form, stages, k, v, table, ctx, shift, splits, out)  # noqa: B023
 
                 copy()

@@ -32,9 +32,9 @@ def main() -> None:
                                  device=dev).view_as(scattered)
         splits = num_splits_for(1, td.KV_HEADS, ctx, sms)
         for name, table in (("scattered", scattered), ("ascending", ascending)):
-            def attend(table=table):
+            def attend(table=table, q=q, k=k, v=v, ks=ks, vs=vs):
                 return paged_decode_attention(q, k, v, table, lens, td.D**-0.5, splits,  # noqa: B023
-                                              k_scale=ks, v_scale=vs)  # noqa: B023
+                                              k_scale=ks, v_scale=vs)
 
             attend()
             torch.cuda.synchronize()

@@ -50,7 +50,8 @@ void run(torch::Tensor out, int64_t form, int64_t iters, int64_t blocks) {
 
 
 def main() -> None:
-    mod = load_inline("fp8_convert_rate", cpp_sources="void run(torch::Tensor, int64_t, int64_t, int64_t);",
+    mod = load_inline("fp8_convert_rate",
+                      cpp_sources="void run(torch::Tensor, int64_t, int64_t, int64_t);",
                       cuda_sources="#include <torch/extension.h>\n" + SRC, functions=["run"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -70,7 +71,8 @@ def main() -> None:
             times.append(a.elapsed_time(b) / 1e3)
         t = sorted(times)[2]
         print(f"{name:26s} {elements / t / 1e12:6.2f} T elements/s "
-              f"({elements / t / 1e12 / 4.8:.2f}x an H200's 4.8 TB/s of e4m3 bytes), {t * 1e3:.2f} ms")
+              f"({elements / t / 1e12 / 4.8:.2f}x an H200's 4.8 TB/s of e4m3 bytes), "
+              f"{t * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
