@@ -287,3 +287,18 @@ def test_the_engine_asks_whether_its_device_reads_fp8_before_building_fp8_kv(
     else:
         make_llm(None, kv_cache_dtype=kv_cache_dtype)
         assert seen == []
+
+
+@pytest.mark.parametrize("sms", [78, 108, 114, 132, 142])
+def test_cuda_fp8_decode_launches_at_most_one_block_an_sm(sms):
+    """A quarter of num_splits_for's 4 waves, rounded down: one wave of one block an SM, never a
+    few blocks past it (those SMs take two and the step waits for them); at least 2 splits."""
+    from nanoserve.attention.cuda_fp8_decode import num_splits
+
+    for batch in range(1, 9):
+        for kv_heads in (1, 2, 4, 8):
+            four_waves = 4 * sms // (batch * kv_heads)  # num_splits_for's count, uncapped
+            splits = num_splits(four_waves, 0.25)
+            assert splits >= 2
+            assert batch * kv_heads * splits <= sms or splits == 2, (batch, kv_heads, splits)
+    assert (num_splits(66, 0.25), num_splits(66, 0.5), num_splits(3, 0.25)) == (16, 33, 2)

@@ -36,6 +36,14 @@ def _extension():
         return None
 
 
+def num_splits(caller_splits: int, factor: float) -> int:
+    """The kernel's split count for a caller's (num_splits_for's: about 4 waves of blocks over
+    the SMs): `factor` of it rounded down, so that a quarter of 4 waves is at most one block an
+    SM (rounded up, 16.5 became 17 and put two blocks on 4 of 132 SMs: the engine's TPOT at 128K
+    went from 7.10 to 7.85 ms), and at least 2 (one split is Triton's direct path)."""
+    return max(2, int(caller_splits * factor))
+
+
 def available(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
     """Whether the CUDA kernel takes this call: an FP8 cache [pages, page_size, kv_heads, 128]
     on a GPU where it builds, 16-byte aligned, a bf16 or f16 query, a power-of-two page

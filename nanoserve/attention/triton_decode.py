@@ -379,9 +379,8 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         # 64-token tiles keep their widened operands within sm86 / sm89's 99 KB of shared memory
         tiles = tiles._replace(block_n=min(tiles.block_n, 64))
     cuda = scaled and tiles.cuda and cuda_fp8_decode.available(q, k_cache, page_size)
-    if cuda:  # rounded down: a quarter of num_splits_for's 4 waves is one block an SM, never
-        # a few more (those SMs would take two); at least 2: one is Triton's direct path
-        num_splits = max(2, int(num_splits * tiles.cuda_split_factor))
+    if cuda:
+        num_splits = cuda_fp8_decode.num_splits(num_splits, tiles.cuda_split_factor)
     else:
         num_splits *= tiles.split_factor
     if scaled:
