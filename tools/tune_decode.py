@@ -19,6 +19,7 @@ import itertools
 import torch
 import triton
 
+from nanoserve.attention import cuda_fp8_decode
 from nanoserve.attention.triton_decode import (
     TILES,
     Tiles,
@@ -102,9 +103,11 @@ def main() -> None:
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
             for tiles, mult in itertools.product(candidates, floats(args.mults)):
-                # the multiplier is `mult` here
+                # the multiplier is `mult` here; the CUDA kernel's rounded as the engine
+                # rounds it (16.5 to 16: one block an SM, where 17 would put two on a few)
+                splits = cuda_fp8_decode.num_splits(base, mult) if tiles.cuda else \
+                    max(1, min(round(base * mult), triton.cdiv(ctx, tiles.block_n)))
                 tiles = tiles._replace(split_factor=1, cuda_split_factor=1)
-                splits = max(1, min(round(base * mult), triton.cdiv(ctx, tiles.block_n)))
                 try:
                     def attend(tiles=tiles, splits=splits):
                         paged_decode_attention(q, k, v, table, lens, D**-0.5, splits,  # noqa: B023
