@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64,128", help="KV tokens per tile to try")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--mults", default="0.5,1,2", help="multiples of the default split count, "
+    ap.add_argument("--mults", default="0.25,0.5,1,2", help="multiples of the default split count, "
                     "rounded (0: one split, which writes the output itself with no merge)")
     ap.add_argument("--f16-dot", nargs="?", const="also", choices=["also", "only"],
                     help="FP8: also (or only) try float16 dots")
