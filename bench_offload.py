@@ -566,7 +566,11 @@ def kv_pages_needed(args: argparse.Namespace, input_len: int, batch: int, page_s
 
 
 def fits(args, cfg: ModelConfig, input_len: int, batch: int, tp: int = 1) -> bool:
-    """Whether the weights and KV of one rank fit its GPU."""
+    """Whether the weights and KV of one rank fit its GPU, in the memory free once the previous
+    row's engine is collected and its blocks leave torch's cache (a row run again right after
+    itself was refused: the last engine's KV pool still counted as used)."""
+    gc.collect()
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.bfloat16)  # auto: bf16 on CUDA
     spec = KVSpec.for_model(cfg, EngineConfig().page_size, kv_dtype)

@@ -352,3 +352,19 @@ def test_quantized_floors_count_the_quantized_bytes():
         got = weight_bytes(cfg, 2, 1)
         assert got == model_bytes(cfg, torch.bfloat16, tp=1) - emb
         assert share[0] < got / weight_bytes(dense, 2, 1) < share[1], name
+
+
+def test_the_fit_check_counts_memory_the_previous_rows_engine_held(monkeypatch):
+    """The free memory a resident row is checked against is read after the last engine is
+    collected and torch's cache is emptied: read before, a row run right after itself saw the
+    previous engine's KV pool as used and was skipped."""
+    from bench_offload import fits
+
+    released = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *a: ((80 if released else 0) * gib, 80 * gib))
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    assert fits(parse_args(["--model", "tiny-qwen3"]), cfg, 4096, 32)
+    assert released
