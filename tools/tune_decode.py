@@ -55,6 +55,13 @@ def case(batch: int, ctx: int, dtype: torch.dtype, dev: torch.device):
     return q, k, v, ks, vs, table, lens, kv_bytes
 
 
+def graph_us(fn, rep: int = 50) -> float:
+    """fn's time in us, run once first (compiles, builds) and then timed in CUDA graphs."""
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32768,4x32768,64x512,1x131072")

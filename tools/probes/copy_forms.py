@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 from torch.utils.cpp_extension import load_inline
 
 import tools.tune_decode as td
@@ -209,13 +208,11 @@ def main() -> None:
                 def copy(form=form, stages=stages, k=k, v=v, table=table):
                     mod.run(form, stages, k, v, table, ctx, shift, splits, out)  # noqa: B023
 
-                copy()
-                torch.cuda.synchronize()
-                us = 1e3 * triton.testing.do_bench_cudagraph(copy, rep=50)
+                us = td.graph_us(copy)
                 print(f"{ctx:8d} tokens, {name:11s} {stages} stages: {us:7.1f} us, "
                       f"{values / us / 1e3:.0f} GB/s of values", flush=True)
         x = torch.randn(values // 4, device=dev)
-        us = 1e3 * triton.testing.do_bench_cudagraph(lambda x=x: x.sum(), rep=50)
+        us = td.graph_us(lambda x=x: x.sum())
         print(f"{ctx:8d} tokens, torch.sum over as many bytes: {us:7.1f} us, "
               f"{values / us / 1e3:.0f} GB/s", flush=True)
         del q, k, v, ks, vs, table, x

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
 import tools.tune_decode as td
 from nanoserve.attention.triton_decode import num_splits_for, paged_decode_attention
@@ -36,9 +35,7 @@ def main() -> None:
                 return paged_decode_attention(q, k, v, table, lens, td.D**-0.5, splits,  # noqa: B023
                                               k_scale=ks, v_scale=vs)
 
-            attend()
-            torch.cuda.synchronize()
-            us = 1e3 * triton.testing.do_bench_cudagraph(attend, rep=50)
+            us = td.graph_us(attend)
             print(f"{str(dtype):22s} {ctx:8d} tokens, pages {name}: {us:7.1f} us, "
                   f"{nbytes / us / 1e3:.0f} GB/s", flush=True)
         del q, k, v, ks, vs, scattered, ascending
