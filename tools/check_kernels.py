@@ -112,6 +112,10 @@ def cases():
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],
                            caches[bf16][1], slots)
+    for qk_norm in (norm, None):
+        yield f"rope + FP8 store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
+            rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[FP8][0],
+                           caches[FP8][1], slots, scales[0], scales[1])
     yield "FP8 KV store", lambda: store_fp8(k, v, caches[FP8][0], caches[FP8][1], scales[0],
                                             scales[1], slots)
     for n, kk in ((6144, 4096), (151936, 4096)):

@@ -59,15 +59,17 @@ class TritonBackend(AttentionBackend):
 
     def rotate_and_store(self, positions, q, k, v, layer, slot_mapping):
         """One kernel (attention/triton_rope_store.py) where the cache holds the model's dtype
-        (bf16 or fp16), unless fusion is off (the unfused path is its reference)."""
+        (bf16 or fp16) or FP8 with its scales, unless fusion is off (the unfused path is its
+        reference)."""
+        fp8 = layer.k_scale is not None
         if not fused.is_enabled() or q.dtype not in (torch.bfloat16, torch.float16) or \
-                layer.k_cache.dtype != q.dtype:
+                (layer.k_cache.dtype != q.dtype and not fp8):
             return super().rotate_and_store(positions, q, k, v, layer, slot_mapping)
         norm = layer.qk_norm
         return rope_and_store(
             q, k, v, layer.rotary[0].cos_sin, positions,
             None if norm is None else (norm[0].weight, norm[1].weight, norm[0].eps),
-            layer.k_cache, layer.v_cache, slot_mapping)
+            layer.k_cache, layer.v_cache, slot_mapping, layer.k_scale, layer.v_scale)
 
     def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
         m = ctx.attn_meta

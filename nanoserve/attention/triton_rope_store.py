@@ -5,8 +5,11 @@ eight kernels (inductor's for layers.qk_norm_rope, then one store per cache): at
 a launch of a few microseconds for a few kilobytes.
 
 The math is layers.qk_norm_rope's (statistics and rotation in float32, rounded where it
-rounds); tests/test_gpu_rope_store.py holds it to the unfused path. FP8 caches keep the
-unfused path (their store kernel: attention/triton_kv_store.py).
+rounds); tests/test_gpu_rope_store.py holds it to the unfused path. An FP8 cache gets the
+rotated k and v quantized as attention/triton_kv_store.py quantizes them (each kv head's amax,
+its scale, IEEE division, round to nearest even), bitwise: the unfused FP8 path was five
+kernels a layer at decode (inductor's norm and rotary, then the store), about 0.3 ms a step on
+Qwen3-8B.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanoserve.kv.fp8_format import FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -48,14 +53,33 @@ def _store_halves(x1, x2, at, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _quantize_store_halves(x1, x2, at, scale_at, mask, h_mask, HALF: tl.constexpr,
+                           BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr,
+                           MIN_SCALE: tl.constexpr):
+    """Rows of heads as their two halves -> e4m3 at `at` and a float32 scale a row at
+    `scale_at`, as triton_kv_store._quantize_store writes a whole row (masked-out columns are
+    zeros: they do not move the amax)."""
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
+    scale = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), MIN_SCALE)
+    s = tl.broadcast_to(scale[:, None], f1.shape)
+    q1 = tl.minimum(tl.maximum(tl.div_rn(f1, s), -FP8_MAX), FP8_MAX)
+    q2 = tl.minimum(tl.maximum(tl.div_rn(f2, s), -FP8_MAX), FP8_MAX)
+    tl.store(at, q1.to(at.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(at + HALF, q2.to(at.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(scale_at, scale, mask=h_mask)
+
+
+@triton.jit
 def _rope_store_kernel(
-    Q, K, V, QOut, KOut, CosSin, Positions, QW, KW, KCache, VCache, Slots, eps,
+    Q, K, V, QOut, KOut, CosSin, Positions, QW, KW, KCache, VCache, KScale, VScale, Slots, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-    stride_cp, stride_ct, stride_ch,
+    stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
@@ -80,44 +104,61 @@ def _rope_store_kernel(
     _store_halves(k1, k2, KOut + t * stride_kot + offs_k[:, None] * stride_koh
                   + offs_d[None, :], kv_mask, HALF)
 
-    slot = tl.load(Slots + t)
-    row = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct \
-        + offs_k[:, None] * stride_ch + offs_d[None, :]
-    _store_halves(k1, k2, KCache + row, kv_mask, HALF)
+    slot = tl.load(Slots + t).to(tl.int64)
+    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+    row = page * stride_cp + offset * stride_ct + offs_k[:, None] * stride_ch + offs_d[None, :]
     v1, v2 = _load_halves(V + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :],
                           kv_mask, HALF)
-    _store_halves(v1, v2, VCache + row, kv_mask, HALF)
+    if FP8:
+        h_mask = offs_k < KV_HEADS
+        scale_row = page * stride_sp + offset * stride_st + offs_k * stride_sh
+        _quantize_store_halves(k1, k2, KCache + row, KScale + scale_row, kv_mask, h_mask, HALF,
+                               BLOCK_KH, FP8_MAX, MIN_SCALE)
+        _quantize_store_halves(v1, v2, VCache + row, VScale + scale_row, kv_mask, h_mask, HALF,
+                               BLOCK_KH, FP8_MAX, MIN_SCALE)
+    else:
+        _store_halves(k1, k2, KCache + row, kv_mask, HALF)
+        _store_halves(v1, v2, VCache + row, kv_mask, HALF)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                    positions: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float]
                    | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, d], k, v [tokens, kv_heads, d] (views of the qkv projection's output
     are fine: rows may be strided, head_dim contiguous); cos_sin [positions, d] float32;
     qk_norm: (q weight, k weight, eps) or None. Stores k (rotated) and v in their slots of the
-    caches [pages, page_size, kv_heads, d] (in q's dtype) and returns (q, k) rotated,
-    contiguous."""
+    caches [pages, page_size, kv_heads, d] (in q's dtype, or e4m3 with their scales [pages,
+    page_size, kv_heads] given) and returns (q, k) rotated, contiguous."""
     tokens, heads, d = q.shape
     kv_heads = k.shape[1]
+    fp8 = k_scale is not None
     assert d % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    assert k_cache.dtype == q.dtype
+    if fp8:
+        assert k_cache.element_size() == 1 and k_scale.stride() == v_scale.stride()
+    else:
+        assert k_cache.dtype == q.dtype
     q_out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, kv_heads, d, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
     q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     half = d // 2
+    if not fp8:  # never read
+        k_scale = v_scale = cos_sin
+    scale_strides = k_scale.stride()[:3] if fp8 else (0, 0, 0)
     _rope_store_kernel[(tokens,)](
-        q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, slot_mapping,
-        eps,
+        q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, k_scale, v_scale,
+        slot_mapping, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         HEADS=heads, KV_HEADS=kv_heads, BLOCK_QH=triton.next_power_of_2(heads),
         BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
-        HAS_NORM=qk_norm is not None, num_warps=4,
+        HAS_NORM=qk_norm is not None, FP8=fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=4,
     )
     return q_out, k_out
