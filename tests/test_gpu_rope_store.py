@@ -67,12 +67,14 @@ def test_rope_and_store_matches_the_unfused_path(tokens, heads, kv_heads, norm):
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (14, 2)])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (28, 4), (12, 3), (4, 1)])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rope_only"])
 def test_rope_and_fp8_store_writes_the_fp8_stores_bytes(tokens, heads, kv_heads, norm):
     """An FP8 cache (values and scales in the engine's page rows): the fused kernel writes,
     byte for byte, what the FP8 store kernel writes for the kernel's own rotated k and v, and
-    nothing else; q and k as the bf16 cache's call returns them."""
+    nothing else; q and k as the bf16 cache's call returns them. Head counts below a power of
+    two leave padded heads in the kernel; the first token's last k and v heads are zeros (the
+    smallest scale)."""
     from nanoserve.attention.backend import store_fp8_kv
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8_format import FP8
@@ -88,6 +90,8 @@ def test_rope_and_fp8_store_writes_the_fp8_stores_bytes(tokens, heads, kv_heads,
     q = qkv[:, :heads * D].view(tokens, heads, D)
     k = qkv[:, heads * D:(heads + kv_heads) * D].view(tokens, kv_heads, D)
     v = qkv[:, (heads + kv_heads) * D:].view(tokens, kv_heads, D)
+    k[0, -1] = 0
+    v[0, -1] = 0
     w = torch.randn(2, D, device="cuda", generator=g).mul(0.1).add(1).bfloat16()
     weights = (w[0], w[1], 1e-6) if norm else None
     pages = tokens // PAGE + 4

@@ -66,6 +66,7 @@ def cases():
     from nanoserve.attention.triton_kv_store import store_fp8
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8_format import FP8
+    from nanoserve.kv.spec import KVSpec
     from nanoserve.models.triton_linear import (
         skinny_linear,
         skinny_silu_linear,
@@ -112,10 +113,12 @@ def cases():
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],
                            caches[bf16][1], slots)
+    rows = KVSpec(1, page, kv_heads, d, FP8).empty(1, pages, q.device)[0]
+    fp8_views = KVSpec(1, page, kv_heads, d, FP8).views(rows)  # the engine's strided views
     for qk_norm in (norm, None):
         yield f"rope + FP8 store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
-            rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[FP8][0],
-                           caches[FP8][1], slots, scales[0], scales[1])
+            rope_and_store(q, k, v, cos_sin, positions, qk_norm, *fp8_views[:2], slots,
+                           *fp8_views[2:])
     yield "FP8 KV store", lambda: store_fp8(k, v, caches[FP8][0], caches[FP8][1], scales[0],
                                             scales[1], slots)
     for n, kk in ((6144, 4096), (151936, 4096)):

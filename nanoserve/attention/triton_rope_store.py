@@ -136,8 +136,10 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
     fp8 = k_scale is not None
     assert d % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    if fp8:
-        assert k_cache.element_size() == 1 and k_scale.stride() == v_scale.stride()
+    if fp8:  # e4m3 (the bounds are its 448), float32 scales a token and kv head
+        assert k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+        assert k_scale.dtype == torch.float32 and k_scale.shape == k_cache.shape[:3]
+        assert k_scale.stride() == v_scale.stride()
     else:
         assert k_cache.dtype == q.dtype
     q_out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
