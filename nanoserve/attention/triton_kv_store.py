@@ -15,6 +15,20 @@ from nanoserve.kv.fp8_format import FP8_MAX, MIN_SCALE
 
 
 @triton.jit
+def fp8_scale(amax, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Each row's scale from its amax [BLOCK_H]: amax / 448 (IEEE), never below MIN_SCALE."""
+    return tl.maximum(tl.div_rn(amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), MIN_SCALE)
+
+
+@triton.jit
+def fp8_values(x, scale, FP8_MAX: tl.constexpr):
+    """float32 rows [BLOCK_H, N] over their scales [BLOCK_H] (IEEE), clamped to e4m3's range;
+    the caller casts with round to nearest even."""
+    q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _quantize_store(X, Cache, Scales, t, page, offset, stride_xt, stride_xh,
                     stride_cp, stride_ct, stride_ch, stride_sp, stride_st, stride_sh,
                     KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -25,10 +39,8 @@ def _quantize_store(X, Cache, Scales, t, page, offset, stride_xt, stride_xh,
     mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)
-    scale = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), MIN_SCALE)
-    q = tl.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_H, BLOCK_D)))
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    scale = fp8_scale(tl.max(tl.abs(x), 1), BLOCK_H, FP8_MAX, MIN_SCALE)
+    q = fp8_values(x, scale, FP8_MAX)
     tl.store(Cache + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch
              + offs_d[None, :], q.to(Cache.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.attention.triton_kv_store import fp8_scale, fp8_values
 from nanoserve.kv.fp8_format import FP8_MAX, MIN_SCALE
 
 
@@ -61,10 +62,8 @@ def _quantize_store_halves(x1, x2, at, scale_at, mask, h_mask, HALF: tl.constexp
     zeros: they do not move the amax)."""
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
-    scale = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), MIN_SCALE)
-    s = tl.broadcast_to(scale[:, None], f1.shape)
-    q1 = tl.minimum(tl.maximum(tl.div_rn(f1, s), -FP8_MAX), FP8_MAX)
-    q2 = tl.minimum(tl.maximum(tl.div_rn(f2, s), -FP8_MAX), FP8_MAX)
+    scale = fp8_scale(amax, BLOCK_H, FP8_MAX, MIN_SCALE)
+    q1, q2 = fp8_values(f1, scale, FP8_MAX), fp8_values(f2, scale, FP8_MAX)
     tl.store(at, q1.to(at.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(at + HALF, q2.to(at.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(scale_at, scale, mask=h_mask)
