@@ -48,16 +48,19 @@ CASES = [(t, p, h, hkv) for t, p in ((1, 0), (5, 0), (64, 0), (1, 1), (5, 7), (6
          for h, hkv in ((8, 8), (8, 2), (8, 1))]
 
 
-@pytest.fixture(params=["one-kernel", "split", "pieces", "pieces-split"])
+@pytest.fixture(params=["one-kernel", "split", "pieces", "pieces-split", "calls-split"])
 def route(request, monkeypatch):
     """Every route of a chunk with a prefix: one SDPA call (small work), or split and merged;
-    and the prefix read in pieces of 5 tokens (most cases' prefixes take several, the last one
+    the prefix read in pieces of 5 tokens (most cases' prefixes take several, the last one
     short, starting mid-page in the paged cases), small work through the planless kernel or
-    all through the split route's."""
+    all through the split route's; and each piece attended 2 keys at a time (L2_KV_BYTES of
+    2 keys at d=16 in float32: calls of 2, 2 and 1 keys a piece)."""
     if request.param.endswith("split"):
         monkeypatch.setattr("nanoserve.attention.prefill.SPLIT_MIN_WORK", 0)
-    if request.param.startswith("pieces"):
+    if request.param.startswith(("pieces", "calls")):
         monkeypatch.setattr("nanoserve.attention.prefill.PREFIX_PIECE", 5)
+    if request.param.startswith("calls"):
+        monkeypatch.setattr("nanoserve.attention.prefill.L2_KV_BYTES", 2 * 2 * 16 * 4)
     return request.param
 
 
@@ -231,6 +234,32 @@ def test_a_long_prefix_is_read_in_pieces_of_prefix_piece_tokens(monkeypatch):
     out = prefill.attend_after_prefix(q, k[23:], v[23:], 23, read, 0.3)
     assert asked == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
     assert (out.double() - reference(q, k, v, 23, 0.3)).abs().max() < 1e-5
+
+
+def test_each_piece_is_attended_keys_per_call_keys_at_a_time(monkeypatch):
+    """A piece of 5 keys with calls of 2 keys: calls over 2, 2, 1 keys, then 2 and 1 for the
+    last piece of 3 (prefix 8), each over all the chunk's queries, merged to float64's result.
+    keys_per_call: 64K keys at d=128 in bf16 (32 MiB of K and V a kv head), a power of two,
+    never more than a piece."""
+    import nanoserve.attention.prefill as prefill
+
+    assert prefill.keys_per_call(128, 2) == 1 << 16
+    assert prefill.keys_per_call(256, 2) == 1 << 15
+    assert prefill.keys_per_call(96, 2) == 1 << 16  # 87,381 rounded down
+    assert prefill.keys_per_call(64, 2) == prefill.keys_per_call(32, 2) == prefill.PREFIX_PIECE
+    monkeypatch.setattr(prefill, "PREFIX_PIECE", 5)
+    monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(prefill, "L2_KV_BYTES", 2 * 2 * 8 * 4)
+    calls = []
+    real = prefill.attention_with_lse
+    monkeypatch.setattr(prefill, "attention_with_lse",
+                        lambda *a, **kw: calls.append((a[0].shape[0], a[1].shape[0], a[3]))
+                        or real(*a, **kw))
+    q, k, v = random_qkv(6, 8, 4, 2, 8, torch.float32, "cpu", 5)
+    out = chunk_attention(q, k[8:], v[8:], k[:8], v[:8], 0.3)
+    assert calls == [(6, 6, True), (6, 2, False), (6, 2, False), (6, 1, False), (6, 2, False),
+                     (6, 1, False)]
+    assert (out.double() - reference(q, k, v, 8, 0.3)).abs().max() < 1e-5
 
 
 def test_varlen_only_for_many_short_fresh_prompts():

@@ -154,7 +154,8 @@ class ModelRunner:
             o = torch.zeros(n, heads, self.mcfg.head_dim, dtype=self.dtype, device=self.device)
             lse = torch.zeros(n, heads, device=self.device)
             merge_partials(o, lse, o, lse)
-            parts = merge_with_lse(o.float(), lse, o, lse)
+            parts = merge_with_lse(o, lse, o, lse)
+            parts = merge_with_lse(*parts, o, lse)
             merge_partials(o, lse, *parts)
         if spec.quantized:
             for n in (2, 1):
