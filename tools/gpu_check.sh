@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -85,7 +85,9 @@ for w in $what; do
         --out "$OUT/split-${SPLIT_KV:-auto}-b${SPLIT_BATCH:-1}" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -24 ;;
     onem)  # issue 34: ONEM_LEN tokens (default 1M) of the 1M Llama shape, FP8 KV resident on
            # one GPU (a 4K row first: the warm-up runs at the shortest length). Over 10 minutes
-           # at 1M: start it with setsid, OUT outside the repo, and follow its log
+           # at 1M (a whole call of 1,051 s was not enough in session 26, about 18 minutes of a
+           # session's 30): BG_STEPS=onem in `bg`, then `follow`; 256K and 512K give the TTFT
+           # ratio's trend for a fraction of that
       run python3 bench_offload.py --model Llama-3-8B-1048k --input-len 4096,${ONEM_LEN:-1048576} \
         --output-len 16 --resident-graph --kv-cache-dtype fp8 --out "$OUT/onem" 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tail -12 ;;
@@ -162,6 +164,25 @@ for w in $what; do
     tp128k)  # issue 15: offloaded 128K, every layer streamed, TP 1 and every GPU
       run $B --input-len 131072 --offload-graph --tensor-parallel-size "1,$(nvidia-smi -L | wc -l)" \
         --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v -E "(it|tok)/s\]" | tail -12 ;;
+    prefixrate)  # issue 34: cuDNN's prefix attention by chunk and keys per call, the per-call
+                 # gather and merge, summed over a 1M prompt (PREFIX_ARGS)
+      run python3 tools/probes/prefix_attention_rate.py ${PREFIX_ARGS:---engine-only} 2>&1 \
+        | tee "$OUT/prefix_rate.log" ;;
+    bg)  # BG_STEPS (steps of this script, default onem) in the background, for work longer than
+         # one call: make the next call at once (an idle machine goes back after 30 s) with
+         # `follow`, which waits a bounded time and always prints the log
+      mkdir -p /tmp/bg
+      setsid nohup env OUT=/tmp/bg bash tools/gpu_check.sh ${BG_STEPS:-onem} >/tmp/bg/log 2>&1 \
+        </dev/null &
+      echo $! >/tmp/bg/pid; echo "=== started ${BG_STEPS:-onem} in the background, pid $!" ;;
+    follow)  # waits at most FOLLOW_S seconds (default 540) for `bg`'s job, then its log's tail
+             # and its files in OUT, finished or not
+      end=$((SECONDS + ${FOLLOW_S:-540}))
+      while kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+      if kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; then echo "=== still running"; else
+        echo "=== finished"; fi
+      tail -c 6000 /tmp/bg/log | tr '\r' '\n' | tail -40
+      cp -r /tmp/bg/. "$OUT"/ 2>/dev/null; rm -f "$OUT"/*/bench.png ;;
     copyforms)  # issue 34: an FP8 kv head's tiles pulled by each copy form, no attention work
       run python3 tools/probes/copy_forms.py 2>&1 | tee "$OUT/copy_forms.log" ;;
     pageorder)  # issue 34: decode's read rate with a sequence's pages scattered or ascending
