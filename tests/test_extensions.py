@@ -1,4 +1,4 @@
-"""The hand-written kernels' builds (attention/extensions.py): a line before a first build,
+"""The hand-written kernels' builds (nanoserve/extensions.py): a line before a first build,
 none when the build is cached; torch's loader gets the sources and options as given."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch.utils import cpp_extension
 
-from nanoserve.attention.extensions import load_extension
+from nanoserve.extensions import load_extension
 
 
 def test_a_first_build_is_announced_a_cached_one_is_not(tmp_path, monkeypatch, caplog):

@@ -1,5 +1,6 @@
 """Quantized weights on the GPU: the Triton GEMM that dequantizes inside its tiles
-(quant/triton_gemm.py) against the reference dequantization, every format, bf16 rows from 1 to
+(quant/triton_gemm.py) and AWQ's CUDA GEMV (quant/cuda_awq.py) against the reference
+dequantization, every format, bf16 rows from 1 to
 300; and a quantized model's greedy tokens on the GPU equal its dequantized twin's."""
 
 from __future__ import annotations
@@ -159,6 +160,54 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
             static.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen))
             graph.replay()
             assert torch.equal(out, call(static, 8)), (fmt, rows)
+        assert not tg._COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.float16),
+                                                   (torch.float16, torch.float16),
+                                                   (torch.bfloat16, torch.bfloat16)])
+@torch.inference_mode()
+def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, scale_dtype,
+                                                                        monkeypatch):
+    """AWQ's one row through the CUDA GEMV (quant/cuda_awq.py): within 2^-8 of the largest
+    output (about one bf16 step; the kernel sums in float32 and rounds once) of float64's
+    product with formats.dequantize's weight, for groups 32, 64 and 128, output counts that
+    fill 256-output slices and that do not (288: a slice of 32), K split over 1 to 32 CTAs;
+    bit for bit the same on every run and inside a CUDA graph replayed on new rows; the split
+    counters back at zero."""
+    from nanoserve.quant import QuantConfig, cuda_awq
+    from nanoserve.quant import triton_gemm as tg
+    from nanoserve.quant.formats import dequantize
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(288, 512, 32), (4096, 4096, 128), (6144, 1024, 64), (256, 12288, 128)]
+    for n, k, group in shapes:
+        t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (k, n // 8), device="cuda",
+                                       generator=gen, dtype=torch.int32),
+                 qzeros=torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), device="cuda",
+                                      generator=gen, dtype=torch.int32),
+                 scales=(torch.rand(k // group, n, device="cuda", generator=gen) * 1e-2 + 1e-3
+                         ).to(scale_dtype))
+        w = dequantize(QuantConfig("awq", group_size=group), t, n, k, torch.float64)
+        args = dict(w=t["qweight"], zeros=t["qzeros"], scales=t["scales"], group=group)
+        x = torch.randn(1, k, device="cuda", generator=gen).to(x_dtype)
+        assert cuda_awq.supports(x, **args), (n, k, group)
+        ref = x.double() @ w.T
+        for sms in (1, 8, 132):  # how many CTAs the split aims at: 1 to 32 splits
+            monkeypatch.setattr(cuda_awq, "_num_sms", lambda index, sms=sms: sms)
+            got = cuda_awq.awq_gemv(x, **args)
+            assert got.dtype == x_dtype and got.shape == (1, n)
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2**-8, (n, k, group, sms, err)
+            assert torch.equal(got, cuda_awq.awq_gemv(x, **args))
+            assert not tg._COUNTERS[x.device].any()
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda_awq.awq_gemv(static, **args)
+        for _ in range(2):
+            static.copy_(torch.randn(1, k, device="cuda", generator=gen).to(x_dtype))
+            graph.replay()
+            assert torch.equal(out, cuda_awq.awq_gemv(static, **args)), (n, k, group)
         assert not tg._COUNTERS[x.device].any()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.attention.extensions import load_extension
+from nanoserve.extensions import load_extension
 from nanoserve.kv.fp8_format import FP8
 from offload import PageLayout
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.attention.extensions import load_extension
+from nanoserve.extensions import load_extension
 
 log = logging.getLogger("nanoserve")
 

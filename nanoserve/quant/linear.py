@@ -3,7 +3,8 @@
 ones.
 
 On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
-per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV); elsewhere, and where
+per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; AWQ's one row through
+quant/cuda_awq.py's CUDA GEMV where it builds); elsewhere, and where
 those do not take the rows, it dequantizes the weight and multiplies: the reference path, which
 the kernels are tested against.
 """
@@ -101,20 +102,29 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The product through the Triton kernel that dequantizes inside the GEMM
-        (quant/triton_gemm.py), for rows x [M, in_features]; None where the kernel does not take
-        them (quant/triton_gemm.supports) or this layer (a fused GPTQ layer whose shards' g_idx
-        differ)."""
+        """The product through a kernel that dequantizes inside it, for rows x [M,
+        in_features]: AWQ's one row through the CUDA GEMV (quant/cuda_awq.py) where it builds
+        and takes the shape, the rest through Triton's (quant/triton_gemm.py); None where no
+        kernel takes them (quant/triton_gemm.supports) or this layer (a fused GPTQ layer whose
+        shards' g_idx differ)."""
         try:
             from nanoserve.quant import triton_gemm
         except ImportError:  # a CUDA install without Triton: the reference path
             return None
         args = self._kernel_args()
+        x = x.contiguous()
+        if args is not None and args["fmt"] == triton_gemm.AWQ and x.shape[0] == 1:
+            from nanoserve.quant import cuda_awq
+            awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"],
+                       group=args["group"])
+            if cuda_awq.supports(x, **awq):
+                y = cuda_awq.awq_gemv(x, **awq)
+                return y if self.bias is None else y + self.bias
         if args is None or not triton_gemm.supports(
                 x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
                 args.get("group", 128)):
             return None
-        y = triton_gemm.quant_gemm(x.contiguous(), n=self.out_features, **args)
+        y = triton_gemm.quant_gemm(x, n=self.out_features, **args)
         return y if self.bias is None else y + self.bias
 
     def _kernel_args(self) -> dict | None:

@@ -1,0 +1,208 @@
+// AWQ 4-bit weights times one row (batch-1 decode) on CUDA cores, sm_80 and later.
+//
+//   y[n] = sum_k x[k] (q[k, n] - z[k / G, n]) s[k / G, n]
+//
+// qweight int32 [K, N / 8]: word (k, w) holds outputs 8 w + c, c's nibble at bit
+// (c % 2) * 16 + (c / 2) * 4 (AWQ's order 0 2 4 6 1 3 5 7); qzeros int32 [K / G, N / 8] packed
+// alike; scales [K / G, N].
+//
+// A CTA owns 256 outputs (32 words of a row: 8 lanes x 16 bytes) over `rows` inputs. Each
+// quarter warp reads one contiguous 128-byte row segment a step, the form of copy that reads at
+// the device's rate (docs/perf-notes.md, session 25: lanes scattered over rows read at 3.2 TB/s,
+// whole rows at 4.4), a warp 4 rows, the CTA 16 consecutive rows. A thread's rows of one group
+// are loaded together (STEPS loads in flight), then used.
+//
+// Nibbles i and i + 4 of a word (outputs 2 i and 2 i + 1) become two floats in two bit
+// operations: (w >> 4 i) & 0x000F000F | 0x43004300 holds two bf16 128 + q, and a bf16's bits in
+// a float's high half are the same value, exactly. A thread sums x (128 + q) over its rows of a
+// group for its 32 outputs, then adds s (acc - (128 + z) sum x) once a group: no integer
+// conversion, one FMA an element.
+//
+// A K split over CTAs (gridDim.y) writes each CTA's sums to partials[split] and the slice's last
+// CTA to finish (a counter a slice, put back to zero by it) adds them in split order: the result
+// does not depend on which CTA finished last.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "awq_gemv.h"
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int OUTS = 256;             // outputs a CTA owns
+constexpr int ROW_SLOTS = WARPS * 4;  // rows the CTA reads a step, one a quarter warp
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+// 16-bit value e of the words' halves (low half first), as a float
+__device__ __forceinline__ float half_at(const uint32_t* words, int e, __half) {
+  const uint32_t bits = words[e / 2] >> (16 * (e % 2));
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+__device__ __forceinline__ float half_at(const uint32_t* words, int e, __nv_bfloat16) {
+  return __uint_as_float(e % 2 ? words[e / 2] & 0xFFFF0000u : words[e / 2] << 16);
+}
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// 16 bytes of weights, read once: not kept in L1
+__device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 128 + the nibble at `shift` of w, as a float (see the file's comment)
+__device__ __forceinline__ float nibble_plus_128(uint32_t w, int shift) {
+  return __uint_as_float((((w >> shift) & 0xFu) | 0x4300u) << 16);
+}
+
+template <typename XT, typename ST, int STEPS>
+__global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
+  constexpr int GROUP = STEPS * ROW_SLOTS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slot = warp * 4 + (lane >> 3);  // this thread's row within a step
+  const int col = lane & 7;                 // its 16 bytes of the slice's 128 a row
+  const int words = p.n / 8;
+  const int word0 = blockIdx.x * (OUTS / 8) + col * 4;
+  const bool live = word0 < words;  // n % 32 == 0: a live thread's 4 words all exist
+  const int k_begin = blockIdx.y * p.rows;
+  const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
+  const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
+  float out[32];
+#pragma unroll
+  for (int o = 0; o < 32; ++o) out[o] = 0.f;
+
+  for (int g0 = 0; g0 < p.rows; g0 += GROUP) {
+    uint4 q[STEPS];
+    float xv[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const size_t row = static_cast<size_t>(g0 + s * ROW_SLOTS);
+      q[s] = live ? load_stream(w + row * words) : make_uint4(0, 0, 0, 0);
+      xv[s] = to_float(x[row]);
+    }
+    float acc[32];
+#pragma unroll
+    for (int o = 0; o < 32; ++o) acc[o] = 0.f;
+    float x_sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      x_sum += xv[s];
+      const uint32_t ws[4] = {q[s].x, q[s].y, q[s].z, q[s].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t v = ((ws[j] >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+          acc[8 * j + 2 * i] = fmaf(xv[s], __uint_as_float(v << 16), acc[8 * j + 2 * i]);
+          acc[8 * j + 2 * i + 1] =
+              fmaf(xv[s], __uint_as_float(v & 0xFFFF0000u), acc[8 * j + 2 * i + 1]);
+        }
+      }
+    }
+    if (live) {
+      const int g = (k_begin + g0) / GROUP;
+      const uint4 zq = *reinterpret_cast<const uint4*>(p.qzeros + static_cast<size_t>(g) * words +
+                                                       word0);
+      const uint4* sp = reinterpret_cast<const uint4*>(static_cast<const ST*>(p.scales) +
+                                                       static_cast<size_t>(g) * p.n + word0 * 8);
+      uint32_t sw[16];  // the 32 scales, two a word
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 v = sp[j];
+        sw[4 * j] = v.x, sw[4 * j + 1] = v.y, sw[4 * j + 2] = v.z, sw[4 * j + 3] = v.w;
+      }
+      const uint32_t zs[4] = {zq.x, zq.y, zq.z, zq.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const float z = nibble_plus_128(zs[j], (c & 1) * 16 + (c >> 1) * 4);
+          const float s = half_at(sw, 8 * j + c, ST{});
+          out[8 * j + c] = fmaf(s, acc[8 * j + c] - z * x_sum, out[8 * j + c]);
+        }
+      }
+    }
+  }
+
+  // lanes col, col + 8, col + 16 and col + 24 of a warp hold the same outputs
+#pragma unroll
+  for (int o = 0; o < 32; ++o) {
+    out[o] += __shfl_xor_sync(0xffffffffu, out[o], 8);
+    out[o] += __shfl_xor_sync(0xffffffffu, out[o], 16);
+  }
+  // output col * 32 + o of the slice at [o * 8 + col]: lanes 0-7 write 8 consecutive floats
+  __shared__ float by_warp[WARPS][OUTS];
+  if (lane < 8) {
+#pragma unroll
+    for (int o = 0; o < 32; ++o) by_warp[warp][o * 8 + col] = out[o];
+  }
+  __syncthreads();
+  float total[OUTS / THREADS];
+  int outputs[OUTS / THREADS];
+#pragma unroll
+  for (int h = 0; h < OUTS / THREADS; ++h) {
+    const int m = threadIdx.x + h * THREADS;  // col * 32 + o
+    const int at = (m & 31) * 8 + (m >> 5);
+    float t = 0.f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) t += by_warp[v][at];
+    total[h] = t;
+    outputs[h] = blockIdx.x * OUTS + m;
+  }
+  XT* y = static_cast<XT*>(p.y);
+  if (gridDim.y == 1) {
+#pragma unroll
+    for (int h = 0; h < OUTS / THREADS; ++h)
+      if (outputs[h] < p.n) store(y + outputs[h], total[h]);
+    return;
+  }
+  float* part = p.partials + static_cast<size_t>(blockIdx.y) * p.n;
+#pragma unroll
+  for (int h = 0; h < OUTS / THREADS; ++h)
+    if (outputs[h] < p.n) part[outputs[h]] = total[h];
+  __threadfence();  // this CTA's sums visible before the count says so
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(p.counters + blockIdx.x, 1) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int h = 0; h < OUTS / THREADS; ++h) {
+    if (outputs[h] >= p.n) continue;
+    float t = 0.f;
+    for (int s = 0; s < static_cast<int>(gridDim.y); ++s)
+      t += __ldcg(p.partials + static_cast<size_t>(s) * p.n + outputs[h]);
+    store(y + outputs[h], t);
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+}
+
+template <typename XT, typename ST>
+const char* launch_group(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
+  switch (p.group) {
+    case 32: awq_gemv_kernel<XT, ST, 2><<<grid, THREADS, 0, stream>>>(p); return "";
+    case 64: awq_gemv_kernel<XT, ST, 4><<<grid, THREADS, 0, stream>>>(p); return "";
+    case 128: awq_gemv_kernel<XT, ST, 8><<<grid, THREADS, 0, stream>>>(p); return "";
+    default: return "AWQ GEMV: group size must be 32, 64 or 128";
+  }
+}
+
+template <typename XT>
+const char* launch_scales(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
+  return p.scales_bf16 ? launch_group<XT, __nv_bfloat16>(p, grid, stream)
+                       : launch_group<XT, __half>(p, grid, stream);
+}
+
+}  // namespace
+
+const char* awq_gemv_launch(const AwqGemvParams& p, cudaStream_t stream) {
+  const dim3 grid((p.n + OUTS - 1) / OUTS, p.k / p.rows);
+  return p.x_bf16 ? launch_scales<__nv_bfloat16>(p, grid, stream)
+                  : launch_scales<__half>(p, grid, stream);
+}

@@ -1,0 +1,91 @@
+"""AWQ's CUDA GEMV (nanoserve/quant/cuda_awq.py, csrc/awq_gemv.cu) on the CPU: its arithmetic,
+emulated with torch's integer ops, against formats.dequantize; which shapes it takes; how it
+splits K. The kernel itself runs in tests/test_gpu_quant.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.quant import QuantConfig, cuda_awq
+from nanoserve.quant.formats import dequantize
+
+
+def plus_128(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's unpacking of int32 words [..., W] into floats [..., 8 W]: for nibbles i and
+    i + 4 of a word, (w >> 4 i) & 0x000F000F | 0x43004300 holds two bf16 128 + q; its low half
+    moved up (v << 16) and its high half kept (v & 0xFFFF0000), read as float32 bits, are
+    outputs 2 i and 2 i + 1."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(*words.shape, 8, dtype=torch.float64)
+    for i in range(4):
+        v = ((w >> (4 * i)) & 0x000F000F) | 0x43004300
+        for c, bits in ((2 * i, (v << 16) & 0xFFFFFFFF), (2 * i + 1, v & 0xFFFF0000)):
+            # the sign bit is clear: the bits fit an int32 as they are
+            out[..., c] = bits.to(torch.int32).view(torch.float32).double()
+    return out.flatten(-2)
+
+
+def test_the_kernels_arithmetic_gives_the_dequantized_product():
+    """Per group, s (sum_k x (128 + q) - (128 + z) sum_k x), with q and z unpacked as the kernel
+    unpacks them, equals x times formats.dequantize's weight (float64, to 1e-12 of the largest
+    output: the sums' order apart), and each unpacked value is 128 plus a nibble, exactly."""
+    k, n, group = 256, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=gen)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32,
+                           generator=gen)
+    # multiples of 2^-10: dequantize's float32 products (q - z) s are exact
+    scales = torch.randint(1, 64, (k // group, n), generator=gen).double() / 1024
+    x = torch.randn(k, generator=gen, dtype=torch.float64)
+    q, z = plus_128(qweight), plus_128(qzeros)  # [k, n], [groups, n]
+    assert set(q.unique().tolist()) <= {128.0 + i for i in range(16)}
+    xg = x.view(-1, group)
+    acc = torch.einsum("gk,gkn->gn", xg, q.view(-1, group, n))
+    y = (scales * (acc - z * xg.sum(1, keepdim=True))).sum(0)
+    w = dequantize(QuantConfig("awq", group_size=group),
+                   dict(qweight=qweight, qzeros=qzeros, scales=scales), n, k, torch.float64)
+    torch.testing.assert_close(y, w @ x, rtol=0, atol=1e-12 * (w @ x).abs().max().item())
+
+
+def awq_tensors(n: int, k: int, group: int, x_dtype=torch.bfloat16, scale_dtype=torch.float16):
+    return (torch.zeros(1, k, dtype=x_dtype),
+            dict(w=torch.zeros(k, n // 8, dtype=torch.int32),
+                 zeros=torch.zeros(k // group, n // 8, dtype=torch.int32),
+                 scales=torch.zeros(k // group, n, dtype=scale_dtype), group=group))
+
+
+def shape_ok(x: torch.Tensor, args: dict) -> bool:
+    return cuda_awq.shape_ok(x, **args)
+
+
+def test_the_shapes_it_takes():
+    """One half-precision row, groups 32 / 64 / 128, N a multiple of 32, contiguous tensors;
+    anything else goes to Triton's GEMV. On the CPU, supports() is False whatever the shape."""
+    x, args = awq_tensors(4096, 4096, 128)
+    assert cuda_awq.shape_ok(x, **args)
+    assert shape_ok(*awq_tensors(288, 512, 32, torch.float16, torch.bfloat16))
+    assert not cuda_awq.supports(x, **args)  # not on a GPU
+    assert not cuda_awq.shape_ok(x.float(), **args)
+    assert not cuda_awq.shape_ok(torch.zeros(2, 4096, dtype=torch.bfloat16), **args)
+    assert not shape_ok(*awq_tensors(4096, 4096, 16))  # a group it is not built for
+    assert not shape_ok(*awq_tensors(4112, 4096, 128))  # N = 16 mod 32
+    x, args = awq_tensors(4096, 4096, 128)
+    args["scales"] = torch.zeros(4096, 32, dtype=torch.float16).t()  # not contiguous
+    assert not cuda_awq.shape_ok(x, **args)
+
+
+@pytest.mark.parametrize("sms", [1, 78, 114, 132, 142])
+def test_the_split_divides_the_groups_and_keeps_every_cta_resident(sms):
+    """num_splits: a divisor of the groups (a CTA takes whole groups), at most CTAS_PER_SM CTAs
+    an SM over all slices unless one split already exceeds it, the largest such; Qwen3-8B's
+    layers on 132 SMs as the docstring says."""
+    for slices, groups in ((16, 32), (24, 32), (96, 32), (16, 96), (2, 16), (1, 1), (300, 8)):
+        d = cuda_awq.num_splits(slices, groups, sms)
+        assert groups % d == 0
+        assert d == 1 or slices * d <= cuda_awq.CTAS_PER_SM * sms
+        bigger = [e for e in range(d + 1, groups + 1) if groups % e == 0]
+        assert not bigger or slices * bigger[0] > cuda_awq.CTAS_PER_SM * sms
+    if sms == 132:
+        assert [cuda_awq.num_splits(s, g, 132) for s, g in
+                ((16, 32), (24, 32), (96, 32), (16, 96))] == [32, 16, 4, 32]
