@@ -1,7 +1,7 @@
 """Quantized weights on the GPU: the Triton GEMM that dequantizes inside its tiles
-(quant/triton_gemm.py) and AWQ's CUDA GEMV (quant/cuda_awq.py) against the reference
-dequantization, every format, bf16 rows from 1 to
-300; and a quantized model's greedy tokens on the GPU equal its dequantized twin's."""
+(quant/triton_gemm.py) and the one-row CUDA kernels (quant/cuda_gemv.py) against the
+reference dequantization, every format, bf16 rows from 1 to 300; and a quantized model's
+greedy tokens on the GPU equal its dequantized twin's."""
 
 from __future__ import annotations
 
@@ -163,24 +163,47 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         assert not tg._COUNTERS[x.device].any()
 
 
+def _one_row_cases(call, x, ref, monkeypatch, label):
+    """call(x) through the CUDA one-row kernel at 1 to 32 K splits: within 2^-8 of ref's
+    largest output, the same bit for bit on a second run, the split counters back at zero; a
+    CUDA graph of it replayed on new rows gives what an eager call gives."""
+    from nanoserve.quant import cuda_gemv
+    from nanoserve.quant import triton_gemm as tg
+    for sms in (1, 8, 132):  # how many CTAs the split aims at
+        monkeypatch.setattr(cuda_gemv, "_num_sms", lambda index, sms=sms: sms)
+        got = call(x)
+        assert got.dtype == x.dtype and got.shape == ref.shape
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2**-8, (label, sms, err)
+        assert torch.equal(got, call(x)), (label, sms)
+        if tg._COUNTERS:
+            assert not tg._COUNTERS[x.device].any()
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(static)
+    for _ in range(2):
+        static.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, call(static)), label
+
+
 @pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.float16),
                                                    (torch.float16, torch.float16),
                                                    (torch.bfloat16, torch.bfloat16)])
 @torch.inference_mode()
 def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, scale_dtype,
                                                                         monkeypatch):
-    """AWQ's one row through the CUDA GEMV (quant/cuda_awq.py): within 2^-8 of the largest
-    output (about one bf16 step; the kernel sums in float32 and rounds once) of float64's
-    product with formats.dequantize's weight, for groups 32, 64 and 128, output counts that
-    fill 256-output slices and that do not (288: a slice of 32), K split over 1 to 32 CTAs;
-    bit for bit the same on every run and inside a CUDA graph replayed on new rows; the split
-    counters back at zero."""
-    from nanoserve.quant import QuantConfig, cuda_awq
-    from nanoserve.quant import triton_gemm as tg
+    """AWQ's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
+    formats.dequantize's weight (_one_row_cases' bounds), for groups 32, 64 and 128, output
+    counts that fill 256-output slices and that do not (288: a slice of 32), and 86 groups
+    (K 11,008: splits that do not divide them)."""
+    from nanoserve.quant import QuantConfig, cuda_gemv
     from nanoserve.quant.formats import dequantize
+    from nanoserve.quant.triton_gemm import AWQ
     gen = torch.Generator(device="cuda").manual_seed(11)
-    shapes = [(288, 512, 32), (4096, 4096, 128), (6144, 1024, 64), (256, 12288, 128)]
-    for n, k, group in shapes:
+    for n, k, group in [(288, 512, 32), (4096, 4096, 128), (6144, 1024, 64),
+                        (256, 12288, 128), (512, 11008, 128)]:
         t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (k, n // 8), device="cuda",
                                        generator=gen, dtype=torch.int32),
                  qzeros=torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), device="cuda",
@@ -190,25 +213,50 @@ def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, 
         w = dequantize(QuantConfig("awq", group_size=group), t, n, k, torch.float64)
         args = dict(w=t["qweight"], zeros=t["qzeros"], scales=t["scales"], group=group)
         x = torch.randn(1, k, device="cuda", generator=gen).to(x_dtype)
-        assert cuda_awq.supports(x, **args), (n, k, group)
-        ref = x.double() @ w.T
-        for sms in (1, 8, 132):  # how many CTAs the split aims at: 1 to 32 splits
-            monkeypatch.setattr(cuda_awq, "_num_sms", lambda index, sms=sms: sms)
-            got = cuda_awq.awq_gemv(x, **args)
-            assert got.dtype == x_dtype and got.shape == (1, n)
-            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 2**-8, (n, k, group, sms, err)
-            assert torch.equal(got, cuda_awq.awq_gemv(x, **args))
-            assert not tg._COUNTERS[x.device].any()
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = cuda_awq.awq_gemv(static, **args)
-        for _ in range(2):
-            static.copy_(torch.randn(1, k, device="cuda", generator=gen).to(x_dtype))
-            graph.replay()
-            assert torch.equal(out, cuda_awq.awq_gemv(static, **args)), (n, k, group)
-        assert not tg._COUNTERS[x.device].any()
+        assert cuda_gemv.one_row(x, dict(fmt=AWQ, **args)) is not None, (n, k, group)
+        _one_row_cases(lambda x, args=args: cuda_gemv.awq_gemv(x, **args), x,
+                       x.double() @ w.T, monkeypatch, (n, k, group))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monkeypatch):
+    """FP8's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
+    the e4m3 weight times its scales (_one_row_cases' bounds): 128 x 128 blocks (N 4096, and
+    N 300 with K 1,152: nine steps, splits that do not divide them, a partial block of
+    outputs), per channel and per tensor (two shards) scales; and the shapes it leaves to
+    Triton (blocks of 32 inputs, K not a multiple of 128, float32 x)."""
+    from nanoserve.quant import cuda_gemv
+    from nanoserve.quant.triton_gemm import FP8
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for n, k, kind in [(4096, 4096, "block"), (300, 1152, "block"), (1024, 2048, "channel"),
+                       (512, 1024, "tensor")]:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
+            torch.float8_e4m3fn)
+        if kind == "block":
+            scales = torch.rand(-(-n // 128), k // 128, device="cuda", generator=gen) * 1e-3
+            rows, cols = torch.arange(n, device="cuda") // 128, 128
+            full = scales[rows].repeat_interleave(128, 1)
+        elif kind == "channel":
+            scales = torch.rand(n, 1, device="cuda", generator=gen) * 1e-3
+            rows, cols, full = torch.arange(n, device="cuda"), 1 << 30, scales
+        else:
+            scales = torch.rand(2, 1, device="cuda", generator=gen) * 1e-3
+            rows, cols = torch.arange(n, device="cuda") * 2 // n, 1 << 30
+            full = scales[rows]
+        args = dict(w=w, scales=scales, scale_row=rows.to(torch.int32), scale_cols=cols)
+        x = torch.randn(1, k, device="cuda", generator=gen).to(x_dtype)
+        assert cuda_gemv.one_row(x, dict(fmt=FP8, **args)) is not None, (n, k, kind)
+        ref = x.double() @ (w.double() * full.double()).T
+        _one_row_cases(lambda x, args=args: cuda_gemv.fp8_gemv(x, **args), x, ref,
+                       monkeypatch, (n, k, kind))
+    w = torch.zeros(256, 1024, device="cuda").to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
+    rows = torch.zeros(256, dtype=torch.int32, device="cuda")
+    one = dict(fmt=FP8, w=w, scales=torch.ones(8, 32, device="cuda"), scale_row=rows)
+    assert cuda_gemv.one_row(x, dict(one, scale_cols=32)) is None
+    assert cuda_gemv.one_row(x.float(), dict(one, scale_cols=128)) is None
+    assert cuda_gemv.one_row(x[:, :1000], dict(one, w=w[:, :1000], scale_cols=128)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

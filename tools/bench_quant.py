@@ -1,5 +1,5 @@
-"""The quantized GEMM (nanoserve/quant/triton_gemm.py; AWQ's one row also through
-quant/cuda_awq.py) per weight shape, format and row count,
+"""The quantized GEMM (nanoserve/quant/triton_gemm.py; one row also through the CUDA kernels,
+quant/cuda_gemv.py) per weight shape, format and row count,
 against the device-memory floor of its bytes (decode) and against cuBLAS on the same product in
 bf16 (prefill), with tile candidates; in CUDA graphs, cycling over enough copies of the weight
 that none stays in L2. Usage (GPU):
@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from nanoserve.quant import cuda_awq
+from nanoserve.quant import cuda_gemv
 from nanoserve.quant import triton_gemm as tg
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
@@ -111,17 +111,16 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
     return [(str(tuple(t)), gemm(t)) for t in tiles]
 
 
-def cuda_awq_row(x: torch.Tensor, one: dict, copies: list[dict], n: int, ref: torch.Tensor,
-                 floor: float) -> None:
-    """AWQ's one row through the CUDA GEMV (quant/cuda_awq.py, the engine's default where it
-    builds): its time against the floor and its largest difference from Triton's GEMV."""
-    args = dict(w=one["w"], zeros=one["zeros"], scales=one["scales"], group=one["group"])
-    if not cuda_awq.supports(x, **args):
+def cuda_row(x: torch.Tensor, copies: list[dict], n: int, ref: torch.Tensor,
+             floor: float) -> None:
+    """One row through the CUDA kernels (quant/cuda_gemv.py, the engine's default where they
+    build): their time against the floor and their largest difference from Triton's."""
+    if cuda_gemv.one_row(x, copies[0]) is None:
         print("  CUDA GEMV: does not take this shape here")
         return
-    err = ((cuda_awq.awq_gemv(x, **args).float() - ref).abs().max() / ref.abs().max()).item()
-    us = graph_time_us([lambda a=a: cuda_awq.awq_gemv(x, a["w"], a["zeros"], a["scales"],
-                                                      a["group"]) for a in copies])
+    err = ((cuda_gemv.one_row(x, copies[0]).float() - ref).abs().max() /
+           ref.abs().max()).item()
+    us = graph_time_us([lambda a=a: cuda_gemv.one_row(x, a) for a in copies])
     print(f"  CUDA GEMV: {us:7.1f} us ({us / floor:.2f}x the floor), {err:.1e} of Triton's "
           f"largest output apart", flush=True)
 
@@ -156,8 +155,8 @@ def main() -> None:
         ref = tries[0][1](x, one, n).float()
         default_us = graph_time_us([lambda a=a, x=x, n=n, c=tries[0][1]: c(x, a, n)
                                     for a in copies])
-        if fmt == "awq" and rows == 1:
-            cuda_awq_row(x, one, copies, n, ref, floor)
+        if fmt in ("awq", "fp8") and rows == 1:
+            cuda_row(x, copies, n, ref, floor)
         results = [(default_us, "default")]
         for label, call in tries[1:]:
             try:

@@ -3,8 +3,8 @@
 ones.
 
 On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
-per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; AWQ's one row through
-quant/cuda_awq.py's CUDA GEMV where it builds); elsewhere, and where
+per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; one row of AWQ or FP8
+through quant/cuda_gemv.py's CUDA kernels where they build); elsewhere, and where
 those do not take the rows, it dequantizes the weight and multiplies: the reference path, which
 the kernels are tested against.
 """
@@ -103,8 +103,8 @@ class QuantizedLinear(nn.Module):
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The product through a kernel that dequantizes inside it, for rows x [M,
-        in_features]: AWQ's one row through the CUDA GEMV (quant/cuda_awq.py) where it builds
-        and takes the shape, the rest through Triton's (quant/triton_gemm.py); None where no
+        in_features]: one row (AWQ, FP8) through the CUDA GEMVs (quant/cuda_gemv.py) where they
+        build and take the shape, the rest through Triton's (quant/triton_gemm.py); None where no
         kernel takes them (quant/triton_gemm.supports) or this layer (a fused GPTQ layer whose
         shards' g_idx differ)."""
         try:
@@ -113,13 +113,12 @@ class QuantizedLinear(nn.Module):
             return None
         args = self._kernel_args()
         x = x.contiguous()
-        if args is not None and args["fmt"] == triton_gemm.AWQ and x.shape[0] == 1:
-            from nanoserve.quant import cuda_awq
-            awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"],
-                       group=args["group"])
-            if cuda_awq.supports(x, **awq):
-                y = cuda_awq.awq_gemv(x, **awq)
-                return y if self.bias is None else y + self.bias
+        y = None
+        if args is not None and x.shape[0] == 1:
+            from nanoserve.quant import cuda_gemv
+            y = cuda_gemv.one_row(x, args)
+        if y is not None:
+            return y if self.bias is None else y + self.bias
         if args is None or not triton_gemm.supports(
                 x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
                 args.get("group", 128)):

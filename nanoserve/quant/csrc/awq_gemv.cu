@@ -18,13 +18,10 @@
 // group for its 32 outputs, then adds s (acc - (128 + z) sum x) once a group: no integer
 // conversion, one FMA an element.
 //
-// A K split over CTAs (gridDim.y) writes each CTA's sums to partials[split] and the slice's last
-// CTA to finish (a counter a slice, put back to zero by it) adds them in split order: the result
-// does not depend on which CTA finished last.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+// K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
+// divide the groups), summed as gemv_split.cuh says.
 #include "awq_gemv.h"
+#include "gemv_split.cuh"
 
 namespace {
 
@@ -43,8 +40,6 @@ __device__ __forceinline__ float half_at(const uint32_t* words, int e, __half) {
 __device__ __forceinline__ float half_at(const uint32_t* words, int e, __nv_bfloat16) {
   return __uint_as_float(e % 2 ? words[e / 2] & 0xFFFF0000u : words[e / 2] << 16);
 }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // 16 bytes of weights, read once: not kept in L1
 __device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
@@ -55,13 +50,20 @@ __device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
   return v;
 }
 
+// (w & 0x000F000F) | magic in one LOP3 (nvcc makes two of it when magic is an immediate too)
+__device__ __forceinline__ uint32_t two_nibbles(uint32_t w, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(d) : "r"(w), "r"(magic));
+  return d;
+}
+
 // 128 + the nibble at `shift` of w, as a float (see the file's comment)
 __device__ __forceinline__ float nibble_plus_128(uint32_t w, int shift) {
   return __uint_as_float((((w >> shift) & 0xFu) | 0x4300u) << 16);
 }
 
 template <typename XT, typename ST, int STEPS>
-__global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
+__global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
   constexpr int GROUP = STEPS * ROW_SLOTS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = warp * 4 + (lane >> 3);  // this thread's row within a step
@@ -69,14 +71,18 @@ __global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
   const int words = p.n / 8;
   const int word0 = blockIdx.x * (OUTS / 8) + col * 4;
   const bool live = word0 < words;  // n % 32 == 0: a live thread's 4 words all exist
-  const int k_begin = blockIdx.y * p.rows;
+  const int groups = p.k / GROUP;  // this CTA's: [g_begin, g_end)
+  const int g_begin = blockIdx.y * groups / gridDim.y;
+  const int rows = ((blockIdx.y + 1) * groups / gridDim.y - g_begin) * GROUP;
+  const int k_begin = g_begin * GROUP;
+  const uint32_t magic = 0x43004300u;
   const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
   const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
   float out[32];
 #pragma unroll
   for (int o = 0; o < 32; ++o) out[o] = 0.f;
 
-  for (int g0 = 0; g0 < p.rows; g0 += GROUP) {
+  for (int g0 = 0; g0 < rows; g0 += GROUP) {
     uint4 q[STEPS];
     float xv[STEPS];
 #pragma unroll
@@ -97,7 +103,7 @@ __global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const uint32_t v = ((ws[j] >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+          const uint32_t v = two_nibbles(ws[j] >> (4 * i), magic);
           acc[8 * j + 2 * i] = fmaf(xv[s], __uint_as_float(v << 16), acc[8 * j + 2 * i]);
           acc[8 * j + 2 * i + 1] =
               fmaf(xv[s], __uint_as_float(v & 0xFFFF0000u), acc[8 * j + 2 * i + 1]);
@@ -123,7 +129,7 @@ __global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
         for (int c = 0; c < 8; ++c) {
           const float z = nibble_plus_128(zs[j], (c & 1) * 16 + (c >> 1) * 4);
           const float s = half_at(sw, 8 * j + c, ST{});
-          out[8 * j + c] = fmaf(s, acc[8 * j + c] - z * x_sum, out[8 * j + c]);
+          out[8 * j + c] = fmaf(s, fmaf(-z, x_sum, acc[8 * j + c]), out[8 * j + c]);
         }
       }
     }
@@ -142,45 +148,17 @@ __global__ void __launch_bounds__(THREADS) awq_gemv_kernel(AwqGemvParams p) {
     for (int o = 0; o < 32; ++o) by_warp[warp][o * 8 + col] = out[o];
   }
   __syncthreads();
-  float total[OUTS / THREADS];
-  int outputs[OUTS / THREADS];
-#pragma unroll
-  for (int h = 0; h < OUTS / THREADS; ++h) {
-    const int m = threadIdx.x + h * THREADS;  // col * 32 + o
+  __shared__ float sums[OUTS];
+  for (int m = threadIdx.x; m < OUTS; m += THREADS) {  // m = col * 32 + o
     const int at = (m & 31) * 8 + (m >> 5);
     float t = 0.f;
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) t += by_warp[v][at];
-    total[h] = t;
-    outputs[h] = blockIdx.x * OUTS + m;
+    sums[m] = t;
   }
-  XT* y = static_cast<XT*>(p.y);
-  if (gridDim.y == 1) {
-#pragma unroll
-    for (int h = 0; h < OUTS / THREADS; ++h)
-      if (outputs[h] < p.n) store(y + outputs[h], total[h]);
-    return;
-  }
-  float* part = p.partials + static_cast<size_t>(blockIdx.y) * p.n;
-#pragma unroll
-  for (int h = 0; h < OUTS / THREADS; ++h)
-    if (outputs[h] < p.n) part[outputs[h]] = total[h];
-  __threadfence();  // this CTA's sums visible before the count says so
   __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) last = atomicAdd(p.counters + blockIdx.x, 1) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-#pragma unroll
-  for (int h = 0; h < OUTS / THREADS; ++h) {
-    if (outputs[h] >= p.n) continue;
-    float t = 0.f;
-    for (int s = 0; s < static_cast<int>(gridDim.y); ++s)
-      t += __ldcg(p.partials + static_cast<size_t>(s) * p.n + outputs[h]);
-    store(y + outputs[h], t);
-  }
-  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+  gemv::finish(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
+               p.counters);
 }
 
 template <typename XT, typename ST>
@@ -202,7 +180,9 @@ const char* launch_scales(const AwqGemvParams& p, dim3 grid, cudaStream_t stream
 }  // namespace
 
 const char* awq_gemv_launch(const AwqGemvParams& p, cudaStream_t stream) {
-  const dim3 grid((p.n + OUTS - 1) / OUTS, p.k / p.rows);
+  if (p.group < 1 || p.k % p.group || p.splits < 1 || p.splits > p.k / p.group)
+    return "AWQ GEMV: K whole groups, split into 1 to K / group runs";
+  const dim3 grid((p.n + OUTS - 1) / OUTS, p.splits);
   return p.x_bf16 ? launch_scales<__nv_bfloat16>(p, grid, stream)
                   : launch_scales<__half>(p, grid, stream);
 }

@@ -1,4 +1,4 @@
-// AWQ's one-row product in CUDA (awq_gemv.cu), launched by awq_gemv_binding.cpp.
+// AWQ's one-row product in CUDA (awq_gemv.cu), launched by gemv_binding.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +14,7 @@ struct AwqGemvParams {
   float* partials;            // [splits, N] when the K split is over several CTAs
   int32_t* counters;          // one per slice of outputs, zero between launches
   int n, k, group;
-  int rows;                   // inputs a CTA takes: k / splits, a multiple of group
+  int splits;                 // CTAs K is split over (1 to k / group), each whole groups
   bool x_bf16, scales_bf16;
 };
 

@@ -1,14 +1,15 @@
-"""AWQ's CUDA GEMV (nanoserve/quant/cuda_awq.py, csrc/awq_gemv.cu) on the CPU: its arithmetic,
-emulated with torch's integer ops, against formats.dequantize; which shapes it takes; how it
-splits K. The kernel itself runs in tests/test_gpu_quant.py."""
+"""The one-row CUDA kernels (nanoserve/quant/cuda_gemv.py, csrc/) on the CPU: the AWQ kernel's
+arithmetic, emulated with torch's integer ops, against formats.dequantize; which shapes each
+takes; how K is split. The kernels themselves run in tests/test_gpu_quant.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanoserve.quant import QuantConfig, cuda_awq
+from nanoserve.quant import QuantConfig, cuda_gemv
 from nanoserve.quant.formats import dequantize
+from nanoserve.quant.triton_gemm import AWQ, FP8
 
 
 def plus_128(words: torch.Tensor) -> torch.Tensor:
@@ -56,36 +57,54 @@ def awq_tensors(n: int, k: int, group: int, x_dtype=torch.bfloat16, scale_dtype=
 
 
 def shape_ok(x: torch.Tensor, args: dict) -> bool:
-    return cuda_awq.shape_ok(x, **args)
+    return cuda_gemv.awq_shape_ok(x, **args)
 
 
-def test_the_shapes_it_takes():
-    """One half-precision row, groups 32 / 64 / 128, N a multiple of 32, contiguous tensors;
-    anything else goes to Triton's GEMV. On the CPU, supports() is False whatever the shape."""
+def test_the_shapes_each_kernel_takes():
+    """AWQ: one half-precision row, groups 32 / 64 / 128, N a multiple of 32, contiguous
+    tensors. FP8: one half-precision row, e4m3 rows with K a multiple of 128, scale blocks of
+    whole 128-input steps or one scale a row. Anything else goes to Triton's kernels; on the
+    CPU one_row() takes nothing."""
     x, args = awq_tensors(4096, 4096, 128)
-    assert cuda_awq.shape_ok(x, **args)
+    assert shape_ok(x, args)
     assert shape_ok(*awq_tensors(288, 512, 32, torch.float16, torch.bfloat16))
-    assert not cuda_awq.supports(x, **args)  # not on a GPU
-    assert not cuda_awq.shape_ok(x.float(), **args)
-    assert not cuda_awq.shape_ok(torch.zeros(2, 4096, dtype=torch.bfloat16), **args)
+    assert cuda_gemv.one_row(x, dict(fmt=AWQ, **args)) is None  # not on a GPU
+    assert not shape_ok(x.float(), args)
+    assert not shape_ok(torch.zeros(2, 4096, dtype=torch.bfloat16), args)
     assert not shape_ok(*awq_tensors(4096, 4096, 16))  # a group it is not built for
     assert not shape_ok(*awq_tensors(4112, 4096, 128))  # N = 16 mod 32
     x, args = awq_tensors(4096, 4096, 128)
     args["scales"] = torch.zeros(4096, 32, dtype=torch.float16).t()  # not contiguous
-    assert not cuda_awq.shape_ok(x, **args)
+    assert not shape_ok(x, args)
+
+    def fp8(n, k, cols, x_dtype=torch.bfloat16):
+        w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+        return (torch.zeros(1, k, dtype=x_dtype),
+                dict(w=w, scales=torch.zeros(-(-n // 128), -(-k // min(cols, k))),
+                     scale_row=torch.zeros(n, dtype=torch.int32), scale_cols=cols))
+    for case in (fp8(4096, 4096, 128), fp8(300, 1152, 256), fp8(512, 1024, 1 << 30),
+                 fp8(512, 1024, 128, torch.float16)):
+        assert cuda_gemv.fp8_shape_ok(case[0], **case[1])
+    x, args = fp8(4096, 4096, 128)
+    assert cuda_gemv.one_row(x, dict(fmt=FP8, **args)) is None  # not on a GPU
+    for x, args in (fp8(4096, 4096, 64), fp8(4096, 4000, 1 << 30),
+                    fp8(4096, 4096, 128, torch.float32)):
+        assert not cuda_gemv.fp8_shape_ok(x, **args)
 
 
 @pytest.mark.parametrize("sms", [1, 78, 114, 132, 142])
-def test_the_split_divides_the_groups_and_keeps_every_cta_resident(sms):
-    """num_splits: a divisor of the groups (a CTA takes whole groups), at most CTAS_PER_SM CTAs
-    an SM over all slices unless one split already exceeds it, the largest such; Qwen3-8B's
-    layers on 132 SMs as the docstring says."""
-    for slices, groups in ((16, 32), (24, 32), (96, 32), (16, 96), (2, 16), (1, 1), (300, 8)):
-        d = cuda_awq.num_splits(slices, groups, sms)
-        assert groups % d == 0
-        assert d == 1 or slices * d <= cuda_awq.CTAS_PER_SM * sms
-        bigger = [e for e in range(d + 1, groups + 1) if groups % e == 0]
-        assert not bigger or slices * bigger[0] > cuda_awq.CTAS_PER_SM * sms
+def test_the_split_keeps_every_cta_resident(sms):
+    """num_splits: at most a unit (a group, a step) a CTA, MAX_SPLITS, and the CTAs that stay
+    resident over all slices, at least one, the most of those; Qwen3-8B's AWQ layers on 132
+    SMs as the docstring says."""
+    for slices, units, per_sm in ((16, 32, 4), (24, 32, 4), (96, 32, 4), (16, 96, 4),
+                                  (2, 16, 4), (1, 1, 4), (300, 8, 4), (256, 32, 8),
+                                  (1, 224, 8), (16, 86, 4)):
+        resident = per_sm * sms
+        d = cuda_gemv.num_splits(slices, units, resident)
+        assert 1 <= d <= min(units, cuda_gemv.MAX_SPLITS)
+        assert d == 1 or slices * d <= resident
+        assert d == min(units, cuda_gemv.MAX_SPLITS) or slices * (d + 1) > resident
     if sms == 132:
-        assert [cuda_awq.num_splits(s, g, 132) for s, g in
-                ((16, 32), (24, 32), (96, 32), (16, 96))] == [32, 16, 4, 32]
+        assert [cuda_gemv.num_splits(s, g, 4 * 132) for s, g in
+                ((16, 32), (24, 32), (96, 32), (16, 96))] == [32, 22, 5, 32]

@@ -1,0 +1,69 @@
+// torch binding of the one-row products (awq_gemv.cu, fp8_gemv.cu). Python (quant/cuda_gemv.py)
+// checks the tensors' dtypes, shapes, alignment and devices; this takes their pointers. Errors
+// come back as strings, never as C++ exceptions. The stream is the caller's current one (a
+// graph's capture stream while capturing), passed as an integer. With one split the kernels
+// read neither partials nor counters (the caller may pass any tensor for them).
+#include <torch/extension.h>
+
+#include <string>
+
+#include "awq_gemv.h"
+#include "fp8_gemv.h"
+
+namespace {
+
+std::string launched(const char* refused) {
+  if (*refused) return refused;
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? "" : cudaGetErrorString(err);
+}
+
+std::string awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros,
+                     torch::Tensor scales, torch::Tensor y, torch::Tensor partials,
+                     torch::Tensor counters, int64_t group, int64_t splits, int64_t stream) {
+  AwqGemvParams p{};
+  p.x = x.data_ptr();
+  p.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
+  p.qzeros = static_cast<const uint32_t*>(qzeros.data_ptr());
+  p.scales = scales.data_ptr();
+  p.y = y.data_ptr();
+  p.partials = static_cast<float*>(partials.data_ptr());
+  p.counters = static_cast<int32_t*>(counters.data_ptr());
+  p.n = static_cast<int>(scales.size(1));
+  p.k = static_cast<int>(qweight.size(0));
+  p.group = static_cast<int>(group);
+  p.splits = static_cast<int>(splits);
+  p.x_bf16 = x.scalar_type() == torch::kBFloat16;
+  p.scales_bf16 = scales.scalar_type() == torch::kBFloat16;
+  return launched(awq_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
+}
+
+std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                     torch::Tensor scale_row, torch::Tensor y, torch::Tensor partials,
+                     torch::Tensor counters, int64_t scale_cols, int64_t splits,
+                     int64_t stream) {
+  Fp8GemvParams p{};
+  p.x = x.data_ptr();
+  p.w = static_cast<const uint8_t*>(w.data_ptr());
+  p.scales = scales.data_ptr<float>();
+  p.scale_row = scale_row.data_ptr<int32_t>();
+  p.y = y.data_ptr();
+  p.partials = static_cast<float*>(partials.data_ptr());
+  p.counters = static_cast<int32_t*>(counters.data_ptr());
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(w.size(1));
+  p.stride_w = static_cast<int>(w.stride(0));
+  p.stride_s = static_cast<int>(scales.stride(0));
+  p.scale_cols = static_cast<int>(std::min<int64_t>(scale_cols, 1 << 30));
+  p.splits = static_cast<int>(splits);
+  p.x_bf16 = x.scalar_type() == torch::kBFloat16;
+  return launched(fp8_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("awq_gemv", &awq_gemv,
+        "AWQ 4-bit weights times one row, written to y; \"\" or why nothing ran");
+  m.def("fp8_gemv", &fp8_gemv, "e4m3 weights times one row, written to y; \"\" or why nothing ran");
+}

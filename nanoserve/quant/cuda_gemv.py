@@ -1,0 +1,165 @@
+"""One row (batch-1 decode) times a quantized weight in CUDA (csrc/): AWQ's 4-bit GEMM layout
+(awq_gemv.cu) and e4m3 with block, channel or tensor scales (fp8_gemv.cu). Built at first use
+through torch's cpp_extension (nvcc); where it cannot be built, or for shapes they do not take,
+Triton's kernels run (quant/triton_gemm.py; `one_row` returns None).
+
+Both read the weight as session 25's FP8 decode kernel learned to (docs/perf-notes.md): each
+quarter warp reads whole contiguous 128-byte rows, 16 bytes a lane, several loads in flight; a
+lane's values widened to floats (AWQ: two nibbles through bf16's bit pattern in two bit
+operations; e4m3: two in one `cvt`), one FMA an element; K split over CTAs and the parts summed
+in a fixed order by the last CTA of each slice of outputs (gemv_split.cuh). Triton's GEMVs ran at
+2.4-4.0x the weights' floor (AWQ) and about 2.0 TB/s (FP8) per layer on an H100 (sessions 21-22).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from nanoserve.extensions import load_extension
+
+log = logging.getLogger("nanoserve")
+
+CSRC = Path(__file__).parent / "csrc"
+AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
+AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
+FP8_STEP = 128  # inputs a quarter warp reads a step; scale blocks must not cross one
+# CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, AWQ's at 127-128
+# registers a thread, FP8's at 54-64 (nvcc 13, sm_90)
+AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 4, 8
+MAX_SPLITS = 32  # beyond this the last CTA's in-order sum of the parts costs more than it saves
+HALF = (torch.bfloat16, torch.float16)
+
+
+@cache
+def _extension():
+    """The compiled module, or None (logged once) where it cannot be built or run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None
+    try:
+        return load_extension(
+            "nanoserve_quant_gemv",
+            [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "fp8_gemv.cu"],
+            "the quantized one-row CUDA kernels", extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
+    except Exception as e:  # no nvcc, no ninja, a build error: Triton's kernels run
+        log.warning("quantized weights: the CUDA one-row kernels could not be built (%s: %s); "
+                    "using Triton's", type(e).__name__, str(e)[:200])
+        return None
+
+
+@cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _together(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    return all(t.device == x.device for t in tensors)
+
+
+def awq_shape_ok(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                 group: int) -> bool:
+    """Whether the AWQ kernel takes one row x [1, K] against qweight w [K, N / 8], qzeros
+    [K / group, N / 8] and scales [K / group, N]: half-precision x and scales, a group it is
+    built for, N a multiple of 32, contiguous 16-byte aligned tensors (it reads 16 bytes a
+    lane). Checks no device."""
+    k, n = w.shape[0], scales.shape[-1]
+    return (k > 0 and n > 0 and _together(x, w, zeros, scales) and
+            x.dim() == 2 and x.shape == (1, k) and x.dtype in HALF and scales.dtype in HALF and
+            w.dtype == zeros.dtype == torch.int32 and group in AWQ_GROUPS and k % group == 0 and
+            n % 32 == 0 and w.shape[1] * 8 == n and zeros.shape == (k // group, n // 8) and
+            scales.shape == (k // group, n) and
+            all(t.is_contiguous() for t in (x, w, zeros, scales)) and _aligned(w, zeros, scales))
+
+
+def fp8_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                 scale_row: torch.Tensor, scale_cols: int) -> bool:
+    """Whether the FP8 kernel takes one row x [1, K] against e4m3 w [N, K] with float32 scales
+    [rows, ceil(K / scale_cols)] and scale_row int32 [N]: half-precision x, K a multiple of
+    128, scale blocks of whole 128-input steps (or one scale a row), rows and x 16-byte
+    aligned. Checks no device."""
+    n, k = w.shape
+    return (k > 0 and n > 0 and _together(x, w, scales, scale_row) and
+            x.dim() == 2 and x.shape == (1, k) and x.dtype in HALF and x.is_contiguous() and
+            w.dtype == torch.float8_e4m3fn and w.stride(1) == 1 and w.stride(0) % 16 == 0 and
+            k % FP8_STEP == 0 and (scale_cols >= k or scale_cols % FP8_STEP == 0) and
+            scales.dtype == torch.float32 and scales.dim() == 2 and scales.stride(1) == 1 and
+            scale_row.dtype == torch.int32 and scale_row.shape == (n,) and
+            scale_row.is_contiguous() and _aligned(x, w))
+
+
+def num_splits(slices: int, units: int, resident: int) -> int:
+    """CTAs a slice of outputs' K is split over, each a run of whole units (AWQ's groups, FP8's
+    128-input steps; runs differ by at most one unit): as many as keep every CTA of the launch
+    resident at once (`resident` CTAs), at most `units` and MAX_SPLITS, at least one. Qwen3-8B
+    in AWQ on 132 SMs (528 resident): o (16 slices, 32 groups) 32; qkv (24, 32) 22; gate_up
+    (96, 32) 5; down (16, 96) 32."""
+    return max(1, min(units, MAX_SPLITS, resident // slices))
+
+
+def one_row(x: torch.Tensor, args: dict) -> torch.Tensor | None:
+    """x [1, K] times a quantized weight given as quant/triton_gemm.quant_gemm's arguments
+    (QuantizedLinear._kernel_args), through the CUDA kernels: y [1, N] in x's dtype; None where
+    they do not take it (no GPU, no build, another format or shape)."""
+    from nanoserve.quant.triton_gemm import AWQ, FP8
+    if not x.is_cuda:
+        return None
+    if args["fmt"] == AWQ:
+        awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"], group=args["group"])
+        if awq_shape_ok(x, **awq) and _extension() is not None:
+            return awq_gemv(x, **awq)
+    elif args["fmt"] == FP8:
+        fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
+                   scale_cols=args["scale_cols"])
+        if _capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8) and \
+                _extension() is not None:
+            return fp8_gemv(x, **fp8)
+    return None
+
+
+def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+             group: int) -> torch.Tensor:
+    """x [1, K] times the AWQ weight (qweight w [K, N / 8], qzeros, scales): y [1, N] in x's
+    dtype. See awq_shape_ok."""
+    k, n = w.shape[0], scales.shape[-1]
+    slices = -(-n // AWQ_OUTS)
+    split = num_splits(slices, k // group, AWQ_CTAS_PER_SM * _num_sms(x.device.index or 0))
+    return _launch("awq_gemv", x, n, slices, split, w, zeros, scales, group=group)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor,
+             scale_cols: int) -> torch.Tensor:
+    """x [1, K] times e4m3 w [N, K], output n's scale for inputs k scales[scale_row[n], k //
+    scale_cols]: y [1, N] in x's dtype. See fp8_shape_ok."""
+    n, k = w.shape
+    slices = -(-n // FP8_OUTS)
+    split = num_splits(slices, k // FP8_STEP, FP8_CTAS_PER_SM * _num_sms(x.device.index or 0))
+    return _launch("fp8_gemv", x, n, slices, split, w, scales, scale_row,
+                   scale_cols=min(scale_cols, 1 << 30))
+
+
+def _launch(kernel: str, x: torch.Tensor, n: int, slices: int, split: int,
+            *tensors: torch.Tensor, **ints: int) -> torch.Tensor:
+    from nanoserve.quant.triton_gemm import split_buffers  # the split-K parts and counters
+
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials, counters = split_buffers(y, split, (slices, 1, split))
+    with torch.cuda.device(x.device):
+        stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
+        refused = getattr(_extension(), kernel)(x, *tensors, y, partials, counters,
+                                                *ints.values(), split, stream)
+    if refused:
+        raise RuntimeError(refused)
+    return y
