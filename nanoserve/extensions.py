@@ -1,7 +1,7 @@
 """The hand-written kernels' builds (attention/csrc/: C++ for the CPU's attention share, CUDA
-for FP8 decode; quant/csrc/: CUDA for AWQ's and FP8's one-row products): compiled at first use
-through torch's cpp_extension and cached, with a line saying so when a build is about to take a
-while."""
+for FP8 decode; quant/csrc/: CUDA for AWQ's and FP8's one-row products; models/csrc/: CUDA for
+one token's MoE experts): compiled at first use through torch's cpp_extension and cached, with a
+line saying so when a build is about to take a while."""
 
 from __future__ import annotations
 

@@ -129,6 +129,51 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
         assert err < 8e-3, (tiles, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top_k, experts, hidden, inter", [(8, 128, 2048, 768), (4, 16, 256, 128),
+                                                           (2, 8, 128, 64), (1, 4, 64, 192)])
+@torch.inference_mode()
+def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, top_k, experts,
+                                                                       hidden, inter):
+    """models/cuda_moe.py (batch 1: two CUDA kernels, no sort, no sum kernel) on the same
+    weights and routing as the Triton fused path: within 2^-7 of the largest output of it
+    (a bf16 step or two: the dots summed in another order, then the same roundings), within
+    8e-3 (relative norm) of the float64 tile-by-tile twin; experts_fused takes it at one token
+    without tiles; a CUDA graph of it replayed with new inputs and new routing gives eager's
+    result."""
+    from nanoserve.models import cuda_moe, fused_moe, moe_tiles
+    gen = torch.Generator("cuda").manual_seed(top_k)
+
+    def inputs():
+        x = torch.randn(1, hidden, device="cuda", generator=gen).to(dtype)
+        ids = torch.randperm(experts, device="cuda", generator=gen)[:top_k].view(1, top_k)
+        weights = torch.rand(1, top_k, device="cuda", generator=gen).softmax(-1).to(dtype)
+        return x, weights, ids
+
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.05
+               ).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.05).to(dtype)
+    x, weights, ids = inputs()
+    assert cuda_moe.supports(x, weights, ids, gate_up, down)
+    got = cuda_moe.experts(x, weights, ids, gate_up, down)
+    assert torch.equal(fused_moe.experts_fused(x, weights, ids, gate_up, down), got)
+    triton = fused_moe.experts_fused(x, weights, ids, gate_up, down,
+                                     moe_tiles.default_tiles(top_k)).float()
+    assert (got.float() - triton).abs().max() <= 2**-7 * triton.abs().max()
+    twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids,
+                                             gate_up.double(), down.double(), 16)
+    assert ((got.double() - twin).norm() / twin.norm()).item() < 8e-3
+    static = [t.clone() for t in (x, weights, ids)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_moe.experts(*static, gate_up, down)
+    for _ in range(3):
+        for t, new in zip(static, inputs(), strict=True):
+            t.copy_(new)
+        graph.replay()
+        assert torch.equal(out, cuda_moe.experts(*static, gate_up, down))
+
+
 @pytest.mark.parametrize("tokens", [129, 1000, 8192, 20000])
 @pytest.mark.parametrize("one_expert", [False, True])
 def test_the_blocked_sort_equals_torchs_at_prefill_sizes(tokens, one_expert):

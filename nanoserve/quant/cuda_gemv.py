@@ -113,9 +113,9 @@ def one_row(x: torch.Tensor, args: dict) -> torch.Tensor | None:
     """x [1, K] times a quantized weight given as quant/triton_gemm.quant_gemm's arguments
     (QuantizedLinear._kernel_args), through the CUDA kernels: y [1, N] in x's dtype; None where
     they do not take it (no GPU, no build, another format or shape)."""
-    from nanoserve.quant.triton_gemm import AWQ, FP8
     if not x.is_cuda:
         return None
+    from nanoserve.quant.triton_gemm import AWQ, FP8  # the format ids (GPU installs: Triton)
     if args["fmt"] == AWQ:
         awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"], group=args["group"])
         if awq_shape_ok(x, **awq) and _extension() is not None:

@@ -1,0 +1,84 @@
+"""One token's MoE experts (batch-1 decode) in CUDA (csrc/moe_gemv.cu): the k experts the
+router chose, read by their ids on the device, in two kernels (gate_up with SiLU-multiply; down
+weighted and summed over the k), where the Triton path (models/fused_moe.py) runs the sort, two
+grouped GEMMs and a sum. Each quarter warp reads a weight row in whole 128-byte steps, the copy
+form that reads at the device's rate (docs/perf-notes.md, session 25). Built at first use
+through torch's cpp_extension (nvcc); where it cannot be built, or for other shapes, the Triton
+path runs (`supports` says which).
+
+Session 23's profile of Qwen3-30B-A3B at batch 1 (H200) put the expert kernels at 25.8 us a
+layer, about 1.4x their bytes' floor, and the sort and the sum over k at 6 us more."""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from nanoserve.extensions import load_extension
+
+log = logging.getLogger("nanoserve")
+
+CSRC = Path(__file__).parent / "csrc"
+QUARTERS = 16  # rows a CTA reads at once: top k must divide it
+STEP = 64  # values a quarter warp reads a step: hidden and intermediate sizes are multiples
+HALF = (torch.bfloat16, torch.float16)
+
+
+@cache
+def _extension():
+    """The compiled module, or None (logged once) where it cannot be built or run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None
+    try:
+        return load_extension(
+            "nanoserve_moe_gemv", [CSRC / "moe_gemv_binding.cpp", CSRC / "moe_gemv.cu"],
+            "the one-token MoE CUDA kernels", extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
+            extra_include_paths=[str(CSRC)])
+    except Exception as e:  # no nvcc, no ninja, a build error: the Triton path runs
+        log.warning("MoE: the one-token CUDA kernels could not be built (%s: %s); using "
+                    "Triton's", type(e).__name__, str(e)[:200])
+        return None
+
+
+def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> bool:
+    """Whether the kernels take x [1, H] routed to ids [1, k] with weights [1, k], over gate_up
+    [E, 2I, H] and down [E, H, I]: one token, half precision throughout, k dividing 16, H and I
+    multiples of 64, contiguous 16-byte aligned stacks on x's device. Checks no GPU."""
+    if gate_up.dim() != 3 or down.dim() != 3 or ids.dim() != 2:
+        return False
+    (t, k), (e, inter2, hidden) = ids.shape, gate_up.shape
+    inter = inter2 // 2
+    return (t == 1 and k >= 1 and QUARTERS % k == 0 and x.shape == (1, hidden) and
+            x.dtype in HALF and gate_up.dtype == down.dtype == weights.dtype == x.dtype and
+            ids.dtype == torch.int64 and weights.shape == ids.shape and
+            hidden % STEP == 0 and inter > 0 and inter % STEP == 0 and inter2 == 2 * inter and
+            down.shape == (e, hidden, inter) and
+            all(a.is_contiguous() and a.device == x.device
+                for a in (x, weights, ids, gate_up, down)) and
+            all(a.data_ptr() % 16 == 0 for a in (x, gate_up, down)))
+
+
+def supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> bool:
+    """shape_ok, on a GPU where the kernels build."""
+    return x.is_cuda and shape_ok(x, weights, ids, gate_up, down) and _extension() is not None
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum for the one token x [1, H]: y [1, H] in x's dtype, as
+    fused_moe.experts_fused computes it (its roundings; the dots' order aside). See
+    `supports`."""
+    k, (_, hidden, inter) = ids.shape[1], down.shape
+    act = torch.empty(k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
+        refused = _extension().experts(x, gate_up, down, ids, weights, act, y, stream)
+    if refused:
+        raise RuntimeError(refused)
+    return y

@@ -1,0 +1,34 @@
+"""One token's MoE experts in CUDA (nanoserve/models/cuda_moe.py) on the CPU: which shapes the
+kernels take (the rest goes to the Triton path). The kernels run in tests/test_gpu_models.py."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.models import cuda_moe
+
+
+def case(tokens=1, k=8, experts=16, hidden=2048, inter=768, dtype=torch.bfloat16):
+    return dict(x=torch.zeros(tokens, hidden, dtype=dtype),
+                weights=torch.zeros(tokens, k, dtype=dtype),
+                ids=torch.zeros(tokens, k, dtype=torch.int64),
+                gate_up=torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
+                down=torch.zeros(experts, hidden, inter, dtype=dtype))
+
+
+def test_the_shapes_the_kernels_take():
+    """One token, half precision, k dividing 16, hidden and intermediate sizes multiples of 64,
+    contiguous stacks; on the CPU supports() is False whatever the shape."""
+    for ok in (case(), case(k=1), case(k=16), case(k=4, hidden=64, inter=64),
+               case(dtype=torch.float16)):
+        assert cuda_moe.shape_ok(**ok)
+    assert not cuda_moe.supports(**case())  # not on a GPU
+    for bad in (case(tokens=2), case(k=6), case(hidden=2000), case(inter=96),
+                case(dtype=torch.float32)):
+        assert not cuda_moe.shape_ok(**bad)
+    mixed = case()
+    mixed["weights"] = mixed["weights"].float()  # routing weights in another dtype
+    assert not cuda_moe.shape_ok(**mixed)
+    strided = case()
+    strided["down"] = torch.zeros(16, 768, 2048, dtype=torch.bfloat16).transpose(1, 2)
+    assert not cuda_moe.shape_ok(**strided)
