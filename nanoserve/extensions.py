@@ -6,9 +6,18 @@ line saying so when a build is about to take a while."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("nanoserve")
+
+# "0": the one-row CUDA kernels (quant/cuda_gemv.py, models/cuda_moe.py) stay off and Triton's
+# run instead (A/B runs, tools/gpu_check.sh onerow; a way around a fault)
+ONE_ROW_SWITCH = "NANOSERVE_ONE_ROW_CUDA"
+
+
+def one_row_cuda_wanted() -> bool:
+    return os.environ.get(ONE_ROW_SWITCH) != "0"
 
 
 def load_extension(name: str, sources: list[Path], what: str, **kw):

@@ -26,3 +26,15 @@ def test_a_first_build_is_announced_a_cached_one_is_not(tmp_path, monkeypatch, c
     with caplog.at_level(logging.INFO, logger="nanoserve"):
         load_extension("ns_x", [Path("a.cpp")], "X's kernel")
     assert "compiling" not in caplog.text and len(calls) == 2
+
+
+def test_the_one_row_cuda_kernels_switch(monkeypatch):
+    """NANOSERVE_ONE_ROW_CUDA=0 turns the one-row CUDA kernels off (Triton's run); unset or
+    anything else leaves them on where they build."""
+    from nanoserve.extensions import ONE_ROW_SWITCH, one_row_cuda_wanted
+    monkeypatch.delenv(ONE_ROW_SWITCH, raising=False)
+    assert one_row_cuda_wanted()
+    monkeypatch.setenv(ONE_ROW_SWITCH, "0")
+    assert not one_row_cuda_wanted()
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    assert one_row_cuda_wanted()

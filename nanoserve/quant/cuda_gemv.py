@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import load_extension
+from nanoserve.extensions import load_extension, one_row_cuda_wanted
 
 log = logging.getLogger("nanoserve")
 
@@ -37,7 +37,8 @@ HALF = (torch.bfloat16, torch.float16)
 @cache
 def _extension():
     """The compiled module, or None (logged once) where it cannot be built or run."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    if not (one_row_cuda_wanted() and torch.cuda.is_available()) or \
+            torch.cuda.get_device_capability() < (8, 0):
         return None
     try:
         return load_extension(
