@@ -32,3 +32,25 @@ def load_extension(name: str, sources: list[Path], what: str, **kw):
         log.info("%s: compiling it (first use on this machine, up to a minute; cached after)",
                  what)
     return cpp_extension.load(name, [str(s) for s in sources], verbose=False, **kw)
+
+
+# shared by the CUDA kernels of several folders (one_row.cuh)
+COMMON_CSRC = Path(__file__).parent / "csrc"
+
+
+def cuda_module(name: str, sources: list[Path], what: str, capability: tuple[int, int],
+                fallback: str, **kw):
+    """load_extension of CUDA `sources` on a GPU of at least `capability`, or None: no such
+    GPU, or no nvcc, no ninja, a build error (logged once, saying `fallback` runs instead).
+    Callers cache it. COMMON_CSRC is on the include path."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < capability:
+        return None
+    kw["extra_include_paths"] = [*kw.get("extra_include_paths", []), str(COMMON_CSRC)]
+    try:
+        return load_extension(name, sources, what, **kw)
+    except Exception as e:  # the caller's fallback runs
+        log.warning("%s could not be built (%s: %s); using %s", what, type(e).__name__,
+                    str(e)[:200], fallback)
+        return None

@@ -79,7 +79,7 @@ def test_the_shapes_each_kernel_takes():
     def fp8(n, k, cols, x_dtype=torch.bfloat16):
         w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
         return (torch.zeros(1, k, dtype=x_dtype),
-                dict(w=w, scales=torch.zeros(-(-n // 128), -(-k // min(cols, k))),
+                dict(w=w, scales=torch.zeros(-(-n // 128), -(-k // max(1, min(cols, k)))),
                      scale_row=torch.zeros(n, dtype=torch.int32), scale_cols=cols))
     for case in (fp8(4096, 4096, 128), fp8(300, 1152, 256), fp8(512, 1024, 1 << 30),
                  fp8(512, 1024, 128, torch.float16)):
@@ -87,7 +87,7 @@ def test_the_shapes_each_kernel_takes():
     x, args = fp8(4096, 4096, 128)
     assert cuda_gemv.one_row(x, args) is None  # not on a GPU
     for x, args in (fp8(4096, 4096, 64), fp8(4096, 4000, 1 << 30),
-                    fp8(4096, 4096, 128, torch.float32)):
+                    fp8(4096, 4096, 128, torch.float32), fp8(4096, 4096, 0)):
         assert not cuda_gemv.fp8_shape_ok(x, **args)
 
 

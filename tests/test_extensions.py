@@ -38,3 +38,33 @@ def test_the_one_row_cuda_kernels_switch(monkeypatch):
     assert not one_row_cuda_wanted()
     monkeypatch.setenv(ONE_ROW_SWITCH, "1")
     assert one_row_cuda_wanted()
+
+
+def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_path, monkeypatch,
+                                                                        caplog):
+    """cuda_module: None without a GPU of the capability asked (nothing built); with one, the
+    build gets the common headers' folder on its include path; a failed build is None and one
+    warning naming what runs instead."""
+    import torch
+
+    from nanoserve import extensions
+    calls = []
+
+    def load(name, sources, **kw):
+        calls.append(kw)
+        if name == "ns_broken":
+            raise RuntimeError("nvcc: not found")
+        return "mod"
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert extensions.cuda_module("ns_y", [Path("a.cu")], "Y", (8, 9), "Z's") is None
+    assert calls == []
+    assert extensions.cuda_module("ns_y", [Path("a.cu")], "Y", (8, 0), "Z's",
+                                  extra_include_paths=["inc"]) == "mod"
+    assert calls[-1]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        assert extensions.cuda_module("ns_broken", [Path("a.cu")], "Y", (8, 0), "Z's") is None
+    assert "Y could not be built (RuntimeError: nvcc: not found); using Z's" in caplog.text

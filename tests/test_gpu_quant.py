@@ -169,7 +169,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
     CUDA graph of it replayed on new rows gives what an eager call gives."""
     from nanoserve.quant import cuda_gemv
     from nanoserve.quant import triton_gemm as tg
-    for sms in (1, 8, 132):  # how many CTAs the split aims at
+    for sms in (1, 5, 8, 10, 132):  # how many CTAs the split aims at: even and uneven runs
         monkeypatch.setattr(cuda_gemv, "_num_sms", lambda index, sms=sms: sms)
         got = call(x)
         assert got.dtype == x.dtype and got.shape == ref.shape
@@ -224,19 +224,20 @@ def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monke
     """FP8's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
     the e4m3 weight times its scales (_one_row_cases' bounds): 128 x 128 blocks (N 4096, and
     N 300 with K 1,152: nine steps, splits that do not divide them, a partial block of
-    outputs), per channel and per tensor (two shards) scales; and the shapes it leaves to
-    Triton (blocks of 32 inputs, K not a multiple of 128, float32 x)."""
+    outputs), 128 x 256 blocks, per channel and per tensor (two shards) scales; and the shapes
+    it leaves to Triton (blocks of 32 inputs, K not a multiple of 128, float32 x)."""
     from nanoserve.quant import cuda_gemv
     from nanoserve.quant.triton_gemm import FP8
     gen = torch.Generator(device="cuda").manual_seed(12)
-    for n, k, kind in [(4096, 4096, "block"), (300, 1152, "block"), (1024, 2048, "channel"),
-                       (512, 1024, "tensor")]:
+    for n, k, kind in [(4096, 4096, "block"), (300, 1152, "block"), (512, 2048, "block 256"),
+                       (1024, 2048, "channel"), (512, 1024, "tensor")]:
         w = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
             torch.float8_e4m3fn)
-        if kind == "block":
-            scales = torch.rand(-(-n // 128), k // 128, device="cuda", generator=gen) * 1e-3
-            rows, cols = torch.arange(n, device="cuda") // 128, 128
-            full = scales[rows].repeat_interleave(128, 1)
+        if kind.startswith("block"):
+            cols = 256 if kind.endswith("256") else 128
+            scales = torch.rand(-(-n // 128), k // cols, device="cuda", generator=gen) * 1e-3
+            rows = torch.arange(n, device="cuda") // 128
+            full = scales[rows].repeat_interleave(cols, 1)
         elif kind == "channel":
             scales = torch.rand(n, 1, device="cuda", generator=gen) * 1e-3
             rows, cols, full = torch.arange(n, device="cuda"), 1 << 30, scales

@@ -6,15 +6,12 @@ attention/triton_decode.py's kernel runs (`available` says which)."""
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import load_extension
-
-log = logging.getLogger("nanoserve")
+from nanoserve.extensions import cuda_module
 
 CSRC = Path(__file__).parent / "csrc"
 HEAD_DIM, MAX_GROUP = 128, 16
@@ -22,18 +19,11 @@ HEAD_DIM, MAX_GROUP = 128, 16
 
 @cache
 def _extension():
-    """The compiled module, or None (logged once) where it cannot be built or run."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        return None
-    try:
-        return load_extension(
-            "nanoserve_fp8_decode", [CSRC / "fp8_decode_binding.cpp", CSRC / "fp8_decode.cu"],
-            "FP8 decode's CUDA kernel", extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "--use_fast_math"], extra_include_paths=[str(CSRC)])
-    except Exception as e:  # no nvcc, no ninja, a build error: Triton's kernel runs
-        log.warning("FP8 decode: the CUDA kernel could not be built (%s: %s); using Triton's",
-                    type(e).__name__, str(e)[:200])
-        return None
+    """The compiled module, or None where it cannot be built or run."""
+    return cuda_module(
+        "nanoserve_fp8_decode", [CSRC / "fp8_decode_binding.cpp", CSRC / "fp8_decode.cu"],
+        "FP8 decode's CUDA kernel", (8, 9), "Triton's", extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "--use_fast_math"], extra_include_paths=[str(CSRC)])
 
 
 def num_splits(caller_splits: int, factor: float) -> int:

@@ -11,15 +11,12 @@ layer, about 1.4x their bytes' floor, and the sort and the sum over k at 6 us mo
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import load_extension, one_row_cuda_wanted
-
-log = logging.getLogger("nanoserve")
+from nanoserve.extensions import cuda_module, one_row_cuda_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 QUARTERS = 16  # rows a CTA reads at once: top k must divide it
@@ -29,19 +26,13 @@ HALF = (torch.bfloat16, torch.float16)
 
 @cache
 def _extension():
-    """The compiled module, or None (logged once) where it cannot be built or run."""
-    if not (one_row_cuda_wanted() and torch.cuda.is_available()) or \
-            torch.cuda.get_device_capability() < (8, 0):
+    """The compiled module, or None where it cannot be built or run (or is switched off)."""
+    if not one_row_cuda_wanted():
         return None
-    try:
-        return load_extension(
-            "nanoserve_moe_gemv", [CSRC / "moe_gemv_binding.cpp", CSRC / "moe_gemv.cu"],
-            "the one-token MoE CUDA kernels", extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
-            extra_include_paths=[str(CSRC)])
-    except Exception as e:  # no nvcc, no ninja, a build error: the Triton path runs
-        log.warning("MoE: the one-token CUDA kernels could not be built (%s: %s); using "
-                    "Triton's", type(e).__name__, str(e)[:200])
-        return None
+    return cuda_module(
+        "nanoserve_moe_gemv", [CSRC / "moe_gemv_binding.cpp", CSRC / "moe_gemv.cu"],
+        "the one-token MoE CUDA kernels", (8, 0), "Triton's", extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
 
 
 def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

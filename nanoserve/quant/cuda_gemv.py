@@ -13,22 +13,19 @@ in a fixed order by the last CTA of each slice of outputs (gemv_split.cuh). Trit
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import load_extension, one_row_cuda_wanted
-
-log = logging.getLogger("nanoserve")
+from nanoserve.extensions import cuda_module, one_row_cuda_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
 FP8_STEP = 128  # inputs a quarter warp reads a step; scale blocks must not cross one
-# CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, AWQ's at 127-128
-# registers a thread, FP8's at 54-64 (nvcc 13, sm_90)
+# CTAs an SM that a K split aims at (all resident at once; the kernels' launch bounds hold them
+# to it): 128 threads a CTA, AWQ's at 118-128 registers a thread, FP8's at 61-64 (nvcc 13)
 AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 4, 8
 MAX_SPLITS = 32  # beyond this the last CTA's in-order sum of the parts costs more than it saves
 HALF = (torch.bfloat16, torch.float16)
@@ -36,20 +33,14 @@ HALF = (torch.bfloat16, torch.float16)
 
 @cache
 def _extension():
-    """The compiled module, or None (logged once) where it cannot be built or run."""
-    if not (one_row_cuda_wanted() and torch.cuda.is_available()) or \
-            torch.cuda.get_device_capability() < (8, 0):
+    """The compiled module, or None where it cannot be built or run (or is switched off)."""
+    if not one_row_cuda_wanted():
         return None
-    try:
-        return load_extension(
-            "nanoserve_quant_gemv",
-            [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "fp8_gemv.cu"],
-            "the quantized one-row CUDA kernels", extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
-    except Exception as e:  # no nvcc, no ninja, a build error: Triton's kernels run
-        log.warning("quantized weights: the CUDA one-row kernels could not be built (%s: %s); "
-                    "using Triton's", type(e).__name__, str(e)[:200])
-        return None
+    return cuda_module(
+        "nanoserve_quant_gemv",
+        [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "fp8_gemv.cu"],
+        "the quantized one-row CUDA kernels", (8, 0), "Triton's", extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
 
 
 @cache
@@ -95,7 +86,8 @@ def fp8_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     return (k > 0 and n > 0 and _together(x, w, scales, scale_row) and
             x.dim() == 2 and x.shape == (1, k) and x.dtype in HALF and x.is_contiguous() and
             w.dtype == torch.float8_e4m3fn and w.stride(1) == 1 and w.stride(0) % 16 == 0 and
-            k % FP8_STEP == 0 and (scale_cols >= k or scale_cols % FP8_STEP == 0) and
+            k % FP8_STEP == 0 and scale_cols > 0 and
+            (scale_cols >= k or scale_cols % FP8_STEP == 0) and
             scales.dtype == torch.float32 and scales.dim() == 2 and scales.stride(1) == 1 and
             scale_row.dtype == torch.int32 and scale_row.shape == (n,) and
             scale_row.is_contiguous() and _aligned(x, w))

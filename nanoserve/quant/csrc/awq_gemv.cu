@@ -10,7 +10,8 @@
 // quarter warp reads one contiguous 128-byte row segment a step, the form of copy that reads at
 // the device's rate (docs/perf-notes.md, session 25: lanes scattered over rows read at 3.2 TB/s,
 // whole rows at 4.4), a warp 4 rows, the CTA 16 consecutive rows. A thread's rows of one group
-// are loaded together (STEPS loads in flight), then used.
+// are loaded together, then used (at 128 registers ptxas keeps about 4 of a group's 8 loads in
+// flight at once).
 //
 // Nibbles i and i + 4 of a word (outputs 2 i and 2 i + 1) become two floats in two bit
 // operations: (w >> 4 i) & 0x000F000F | 0x43004300 holds two bf16 128 + q, and a bf16's bits in

@@ -61,7 +61,9 @@ __device__ __forceinline__ float dot16(uint4 wq, uint4 xa, uint4 xb) {
   return sum;
 }
 
-template <typename XT, bool SCALE_ONCE>
+// SCALE_ONCE: one scale a row (scale_cols >= k); UNIT_BLOCKS: a scale a 128-input step
+// (scale_cols == 128: its index steps with the step, no division)
+template <typename XT, bool SCALE_ONCE, bool UNIT_BLOCKS>
 __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = warp * 4 + (lane >> 3);  // this thread's output within the CTA
@@ -90,7 +92,9 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
       if (SCALE_ONCE) {
         acc += part;
       } else {
-        acc = fmaf(scales[(k_begin + k0 + s * STEP) / p.scale_cols], part, acc);
+        const int block = UNIT_BLOCKS ? s_begin + (k0 / STEP) + s
+                                      : (k_begin + k0 + s * STEP) / p.scale_cols;
+        acc = fmaf(scales[block], part, acc);
       }
     }
   }
@@ -109,9 +113,11 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
 template <typename XT>
 void launch(const Fp8GemvParams& p, dim3 grid, cudaStream_t stream) {
   if (p.scale_cols >= p.k)
-    fp8_gemv_kernel<XT, true><<<grid, THREADS, 0, stream>>>(p);
+    fp8_gemv_kernel<XT, true, false><<<grid, THREADS, 0, stream>>>(p);
+  else if (p.scale_cols == STEP)
+    fp8_gemv_kernel<XT, false, true><<<grid, THREADS, 0, stream>>>(p);
   else
-    fp8_gemv_kernel<XT, false><<<grid, THREADS, 0, stream>>>(p);
+    fp8_gemv_kernel<XT, false, false><<<grid, THREADS, 0, stream>>>(p);
 }
 
 }  // namespace
@@ -119,7 +125,8 @@ void launch(const Fp8GemvParams& p, dim3 grid, cudaStream_t stream) {
 const char* fp8_gemv_launch(const Fp8GemvParams& p, cudaStream_t stream) {
   if (p.k % STEP || p.splits < 1 || p.splits > p.k / STEP)
     return "FP8 GEMV: K a multiple of 128, split into 1 to K / 128 runs";
-  if (p.scale_cols < p.k && p.scale_cols % STEP) return "FP8 GEMV: scale blocks of 128 inputs";
+  if (p.scale_cols < 1 || (p.scale_cols < p.k && p.scale_cols % STEP))
+    return "FP8 GEMV: scale blocks of whole 128-input steps";
   const dim3 grid((p.n + OUTS - 1) / OUTS, p.splits);
   if (p.x_bf16)
     launch<__nv_bfloat16>(p, grid, stream);

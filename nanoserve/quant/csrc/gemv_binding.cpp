@@ -45,8 +45,8 @@ std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
   Fp8GemvParams p{};
   p.x = x.data_ptr();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
-  p.scales = scales.data_ptr<float>();
-  p.scale_row = scale_row.data_ptr<int32_t>();
+  p.scales = static_cast<const float*>(scales.data_ptr());
+  p.scale_row = static_cast<const int32_t*>(scale_row.data_ptr());
   p.y = y.data_ptr();
   p.partials = static_cast<float*>(partials.data_ptr());
   p.counters = static_cast<int32_t*>(counters.data_ptr());
