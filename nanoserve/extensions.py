@@ -54,3 +54,12 @@ def cuda_module(name: str, sources: list[Path], what: str, capability: tuple[int
         log.warning("%s could not be built (%s: %s); using %s", what, type(e).__name__,
                     str(e)[:200], fallback)
         return None
+
+
+def one_row_module(name: str, sources: list[Path], what: str, include: Path):
+    """cuda_module for the one-row kernels (sm_80 and later, -O3, Triton's the fallback), or
+    None where ONE_ROW_SWITCH turns them off."""
+    if not one_row_cuda_wanted():
+        return None
+    return cuda_module(name, sources, what, (8, 0), "Triton's", extra_cflags=["-O3"],
+                       extra_cuda_cflags=["-O3"], extra_include_paths=[str(include)])

@@ -68,3 +68,23 @@ def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_pat
     with caplog.at_level(logging.WARNING, logger="nanoserve"):
         assert extensions.cuda_module("ns_broken", [Path("a.cu")], "Y", (8, 0), "Z's") is None
     assert "Y could not be built (RuntimeError: nvcc: not found); using Z's" in caplog.text
+
+
+def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
+    """one_row_module: nothing built under NANOSERVE_ONE_ROW_CUDA=0; otherwise built for sm_80
+    and later with its folder and the common headers on the include path."""
+    import torch
+
+    from nanoserve import extensions
+    calls = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load",
+                        lambda name, sources, **kw: calls.append(kw) or "mod")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setenv(extensions.ONE_ROW_SWITCH, "0")
+    assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) is None
+    assert calls == []
+    monkeypatch.delenv(extensions.ONE_ROW_SWITCH)
+    assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) == "mod"
+    assert calls[0]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]

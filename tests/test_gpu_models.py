@@ -131,12 +131,14 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("top_k, experts, hidden, inter", [(8, 128, 2048, 768), (4, 16, 256, 128),
-                                                           (2, 8, 128, 64), (1, 4, 64, 192)])
+                                                           (2, 8, 128, 64), (1, 4, 64, 192),
+                                                           (16, 32, 64, 64), (2, 8, 320, 320)])
 @torch.inference_mode()
 def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, top_k, experts,
                                                                        hidden, inter):
     """models/cuda_moe.py (batch 1: two CUDA kernels, no sort, no sum kernel) on the same
-    weights and routing as the Triton fused path: within 2^-7 of the largest output of it
+    weights and routing as the Triton fused path (top k 1 to 16: 16 outputs of down a CTA to
+    one; rows of 320: a short second group of loads): within 2^-7 of the largest output of it
     (a bf16 step or two: the dots summed in another order, then the same roundings), within
     8e-3 (relative norm) of the float64 tile-by-tile twin; experts_fused takes it at one token
     without tiles; a CUDA graph of it replayed with new inputs and new routing gives eager's

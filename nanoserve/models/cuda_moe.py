@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import cuda_module, one_row_cuda_wanted
+from nanoserve.extensions import one_row_module
 
 CSRC = Path(__file__).parent / "csrc"
 QUARTERS = 16  # rows a CTA reads at once: top k must divide it
@@ -27,12 +27,9 @@ HALF = (torch.bfloat16, torch.float16)
 @cache
 def _extension():
     """The compiled module, or None where it cannot be built or run (or is switched off)."""
-    if not one_row_cuda_wanted():
-        return None
-    return cuda_module(
+    return one_row_module(
         "nanoserve_moe_gemv", [CSRC / "moe_gemv_binding.cpp", CSRC / "moe_gemv.cu"],
-        "the one-token MoE CUDA kernels", (8, 0), "Triton's", extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
+        "the one-token MoE CUDA kernels", CSRC)
 
 
 def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import cuda_module, one_row_cuda_wanted
+from nanoserve.extensions import one_row_module
 
 CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
@@ -34,13 +34,10 @@ HALF = (torch.bfloat16, torch.float16)
 @cache
 def _extension():
     """The compiled module, or None where it cannot be built or run (or is switched off)."""
-    if not one_row_cuda_wanted():
-        return None
-    return cuda_module(
+    return one_row_module(
         "nanoserve_quant_gemv",
         [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "fp8_gemv.cu"],
-        "the quantized one-row CUDA kernels", (8, 0), "Triton's", extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"], extra_include_paths=[str(CSRC)])
+        "the quantized one-row CUDA kernels", CSRC)
 
 
 @cache

@@ -10,13 +10,11 @@
 //     warps their gate and up rows, and writes act[slot, i] = silu(gate) * up;
 //   down [E, H, I]: a CTA takes 16 / k outputs, its quarter warps each output's row of each of
 //     the k experts, and writes y[n] = sum over slots of weight[slot] * (down row . act[slot]).
-// Rounding follows the Triton fused path (models/fused_moe.py): gate, up, silu and their product
-// rounded to the activation dtype, each slot's weighted output rounded, their sum in float32
-// rounded once.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+// Rounding follows the Triton fused path (models/fused_moe.py): gate, up, silu (its exp and
+// division as Triton compiles them) and their product rounded to the activation dtype, each
+// slot's weighted output rounded, their sum in float32 rounded once. The dots' order differs.
 #include "moe_gemv.h"
+#include "one_row.cuh"
 
 namespace {
 
@@ -26,38 +24,11 @@ constexpr int QUARTERS = WARPS * 4;  // rows a CTA reads at once
 constexpr int STEP = 64;             // values a quarter warp reads a step (128 bytes)
 constexpr int STEPS = 4;             // steps loaded together
 
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float rounded(float v, __half) { return __half2float(__float2half_rn(v)); }
-__device__ __forceinline__ float rounded(float v, __nv_bfloat16) {
-  return __bfloat162float(__float2bfloat16_rn(v));
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-// two 16-bit floats of a word (low half first) as floats
-__device__ __forceinline__ float2 pair(uint32_t w, __nv_bfloat16) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
-}
-__device__ __forceinline__ float2 pair(uint32_t w, __half) {
-  __half2 h;
-  *reinterpret_cast<uint32_t*>(&h) = w;
-  return __half22float2(h);
-}
+using one_row::load_stream;
+using one_row::pair;
+using one_row::rounded;
+using one_row::store;
+using one_row::to_float;
 
 // the dot of 8 weights with 8 inputs, a uint4 of T each
 template <typename T>
@@ -73,23 +44,34 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float sum) {
   return sum;
 }
 
-// row (length len, a multiple of STEP, 16-byte aligned) . v, this lane's part; the quarter
-// warp's 8 lanes (lane & 7 = col) together cover the row
+// row (length len, a multiple of STEP, 16-byte aligned) . v, summed over the quarter warp's 8
+// lanes (lane & 7 = col), which together cover the row. The next STEPS steps' weights are loaded
+// before this group's sums, so a group's loads are in flight while the last one is summed
+// (loaded and used in one loop, ptxas kept half of them waiting on the first FMA).
 template <typename T>
 __device__ __forceinline__ float row_dot(const T* row, const T* v, int len, int col) {
-  float sum = 0.f;
-  for (int k0 = 0; k0 < len; k0 += STEPS * STEP) {
-    uint4 w[STEPS];
+  row += col * 8;
+  v += col * 8;
+  const int steps = len / STEP;
+  uint4 next[STEPS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s)
-      w[s] = k0 + s * STEP < len ? load_stream(row + k0 + s * STEP + col * 8)
-                                 : make_uint4(0, 0, 0, 0);
+  for (int s = 0; s < STEPS; ++s)
+    next[s] = s < steps ? load_stream(row + s * STEP) : make_uint4(0, 0, 0, 0);
+  float sum = 0.f;
+  for (int g = 0; g < steps; g += STEPS) {
+    uint4 w[STEPS], x[STEPS];
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      if (k0 + s * STEP >= len) break;
-      sum = dot8<T>(w[s], __ldg(reinterpret_cast<const uint4*>(v + k0 + s * STEP + col * 8)),
-                    sum);
+      w[s] = next[s];
+      x[s] = g + s < steps ? __ldg(reinterpret_cast<const uint4*>(v + (g + s) * STEP))
+                           : make_uint4(0, 0, 0, 0);
     }
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s)
+      next[s] = g + STEPS + s < steps ? load_stream(row + (g + STEPS + s) * STEP)
+                                      : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) sum = dot8<T>(w[s], x[s], sum);  // zeros past the row add 0
   }
   sum += __shfl_xor_sync(0xffffffffu, sum, 4);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -97,28 +79,33 @@ __device__ __forceinline__ float row_dot(const T* row, const T* v, int len, int 
   return sum;
 }
 
+// fp32 division as Triton's `/` compiles (div.full: a reciprocal and a multiply, about 2 ulp)
+__device__ __forceinline__ float div_full(float a, float b) {
+  float q;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+  return q;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_gate_up_kernel(MoeGemvParams p) {
   const int lane = threadIdx.x & 31, quarter = (threadIdx.x >> 5) * 4 + (lane >> 3);
   const int slot = blockIdx.y;
-  const int i = blockIdx.x * (QUARTERS / 2) + (quarter >> 1);  // this quarter's output
+  // this quarter's output (a CTA past the last one reads the last: the shuffles take every lane)
+  const int i = min(static_cast<int>(blockIdx.x) * (QUARTERS / 2) + (quarter >> 1), p.inter - 1);
   const int64_t expert = p.ids[slot];
   const T* gate_up = static_cast<const T*>(p.gate_up);
-  float dot = 0.f;
-  if (i < p.inter) {
-    const int row = (quarter & 1) ? p.inter + i : i;  // gate rows, then up rows
-    dot = row_dot(gate_up + (expert * 2 * p.inter + row) * p.hidden, static_cast<const T*>(p.x),
-                  p.hidden, lane & 7);
-  }
+  const int row = (quarter & 1) ? p.inter + i : i;  // gate rows, then up rows
+  const float dot = row_dot(gate_up + (expert * 2 * p.inter + row) * p.hidden,
+                            static_cast<const T*>(p.x), p.hidden, lane & 7);
   __shared__ float dots[QUARTERS];
   if ((lane & 7) == 0) dots[quarter] = dot;
   __syncthreads();
   const int out = blockIdx.x * (QUARTERS / 2) + threadIdx.x;
   if (threadIdx.x < QUARTERS / 2 && out < p.inter) {
-    const float gate = rounded(dots[2 * threadIdx.x], T{});
-    const float silu = rounded(gate / (1.f + __expf(-gate)), T{});
-    const float up = rounded(dots[2 * threadIdx.x + 1], T{});
-    static_cast<T*>(p.act)[slot * p.inter + out] = from_float<T>(silu * up);
+    const float gate = rounded<T>(dots[2 * threadIdx.x]);
+    const float silu = rounded<T>(div_full(gate, 1.f + __expf(-gate)));
+    const float up = rounded<T>(dots[2 * threadIdx.x + 1]);
+    store(static_cast<T*>(p.act) + slot * p.inter + out, silu * up);
   }
 }
 
@@ -126,12 +113,12 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
   const int lane = threadIdx.x & 31, quarter = (threadIdx.x >> 5) * 4 + (lane >> 3);
   const int outs = QUARTERS / p.top_k;  // outputs a CTA takes
-  const int n = blockIdx.x * outs + quarter / p.top_k, slot = quarter % p.top_k;
+  // (past the last output: the last one's row, as in the gate_up kernel)
+  const int n = min(static_cast<int>(blockIdx.x) * outs + quarter / p.top_k, p.hidden - 1);
+  const int slot = quarter % p.top_k;
   const T* down = static_cast<const T*>(p.down);
-  float dot = 0.f;
-  if (n < p.hidden)
-    dot = row_dot(down + (p.ids[slot] * p.hidden + n) * p.inter,
-                  static_cast<const T*>(p.act) + slot * p.inter, p.inter, lane & 7);
+  const float dot = row_dot(down + (p.ids[slot] * p.hidden + n) * p.inter,
+                            static_cast<const T*>(p.act) + slot * p.inter, p.inter, lane & 7);
   __shared__ float dots[QUARTERS];
   if ((lane & 7) == 0) dots[quarter] = dot;
   __syncthreads();
@@ -139,9 +126,10 @@ __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
   if (threadIdx.x < outs && out < p.hidden) {
     const T* weights = static_cast<const T*>(p.weights);
     float total = 0.f;
-    for (int j = 0; j < p.top_k; ++j)  // slots in order, as the fused path's sum over k
-      total += rounded(dots[threadIdx.x * p.top_k + j] * to_float(weights[j]), T{});
-    static_cast<T*>(p.y)[out] = from_float<T>(total);
+    for (int j = 0; j < p.top_k; ++j)  // slots in order (torch's sum over k may reorder them:
+                                       // a float32 sum of k rounded values, rarely apart)
+      total += rounded<T>(dots[threadIdx.x * p.top_k + j] * to_float(weights[j]));
+    store(static_cast<T*>(p.y) + out, total);
   }
 }
 

@@ -31,8 +31,9 @@ constexpr int THREADS = WARPS * 32;
 constexpr int OUTS = 256;             // outputs a CTA owns
 constexpr int ROW_SLOTS = WARPS * 4;  // rows the CTA reads a step, one a quarter warp
 
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+using one_row::load_stream;
+using one_row::to_float;
+
 // 16-bit value e of the words' halves (low half first), as a float
 __device__ __forceinline__ float half_at(const uint32_t* words, int e, __half) {
   const uint32_t bits = words[e / 2] >> (16 * (e % 2));
@@ -40,15 +41,6 @@ __device__ __forceinline__ float half_at(const uint32_t* words, int e, __half) {
 }
 __device__ __forceinline__ float half_at(const uint32_t* words, int e, __nv_bfloat16) {
   return __uint_as_float(e % 2 ? words[e / 2] & 0xFFFF0000u : words[e / 2] << 16);
-}
-
-// 16 bytes of weights, read once: not kept in L1
-__device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
 }
 
 // (w & 0x000F000F) | magic in one LOP3 (nvcc makes two of it when magic is an immediate too)

@@ -25,23 +25,8 @@ constexpr int OUTS = WARPS * 4;  // outputs a CTA owns: one a quarter warp
 constexpr int STEP = 128;        // inputs a quarter warp reads a step
 constexpr int STEPS = 8;         // steps loaded together
 
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-// two 16-bit floats of a word (low half first) as floats
-__device__ __forceinline__ float2 pair(uint32_t w, __nv_bfloat16) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
-}
-__device__ __forceinline__ float2 pair(uint32_t w, __half) {
-  __half2 h;
-  *reinterpret_cast<uint32_t*>(&h) = w;
-  return __half22float2(h);
-}
+using one_row::load_stream;
+using one_row::pair;
 
 // the dot of 16 e4m3 weights (a uint4) with 16 inputs (two uint4 of XT)
 template <typename XT>

@@ -3,15 +3,13 @@
 // last CTA to finish, so the result does not depend on which finished last.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
+
+#include "one_row.cuh"
 
 namespace gemv {
 
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+using one_row::store;
 
 // `sums` (shared memory, every thread's writes to it done and synchronized): the CTA's sums for
 // outputs first .. first + count - 1 (those below n exist). One split: stored to y. Several:
