@@ -32,3 +32,29 @@ def test_the_shapes_the_kernels_take():
     strided = case()
     strided["down"] = torch.zeros(16, 768, 2048, dtype=torch.bfloat16).transpose(1, 2)
     assert not cuda_moe.shape_ok(**strided)
+
+
+def test_the_engine_loads_the_one_row_kernels_its_model_takes_at_start(monkeypatch):
+    """ModelRunner._load_one_row_kernels (run at start on a GPU, so an eager engine's first
+    decode step builds nothing): the quantized kernels for AWQ and FP8 layers, the MoE kernels
+    for a sparse MLP, nothing for GPTQ or dense layers."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.models.moe import SparseMoE
+    from nanoserve.quant import QuantConfig, QuantizedLinear, cuda_gemv
+    loaded = []
+    monkeypatch.setattr(cuda_gemv, "load", lambda: loaded.append("quant"))
+    monkeypatch.setattr(cuda_moe, "load", lambda: loaded.append("moe"))
+
+    def quantized(method):
+        return QuantizedLinear(64, [64], False, QuantConfig(method, group_size=32), torch.float16)
+
+    for layers, want in (([nn.Linear(8, 8)], []), ([quantized("gptq")], []),
+                         ([quantized("awq")], ["quant"]), ([quantized("fp8_channel")], ["quant"]),
+                         ([nn.Linear(8, 8), SparseMoE(64, 4, 2, 64, True)], ["moe"])):
+        loaded.clear()
+        ModelRunner._load_one_row_kernels(SimpleNamespace(model=nn.Sequential(*layers)))
+        assert loaded == want, layers

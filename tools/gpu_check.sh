@@ -170,17 +170,21 @@ for w in $what; do
         | tee "$OUT/prefix_rate.log" ;;
     bg)  # BG_STEPS (steps of this script, default onem) in the background, for work longer than
          # one call: make the next call at once (an idle machine goes back after 30 s) with
-         # `follow`, which waits a bounded time and always prints the log
-      mkdir -p /tmp/bg
-      setsid nohup env OUT=/tmp/bg bash tools/gpu_check.sh ${BG_STEPS:-onem} >/tmp/bg/log 2>&1 \
+         # `follow`, which waits a bounded time and always prints the log. The job's steps run
+         # without the caller's STEP_TIMEOUT (BG_TIMEOUT, default none); it writes its exit
+         # status to /tmp/bg/rc when it ends
+      rm -rf /tmp/bg; mkdir -p /tmp/bg
+      setsid nohup env -u STEP_TIMEOUT STEP_TIMEOUT=${BG_TIMEOUT:-0} OUT=/tmp/bg bash -c \
+        "bash tools/gpu_check.sh ${BG_STEPS:-onem}; echo \$? >/tmp/bg/rc" >/tmp/bg/log 2>&1 \
         </dev/null &
-      echo $! >/tmp/bg/pid; echo "=== started ${BG_STEPS:-onem} in the background, pid $!" ;;
+      echo "=== started ${BG_STEPS:-onem} in the background" ;;
     follow)  # waits at most FOLLOW_S seconds (default 540) for `bg`'s job, then its log's tail
              # and its files in OUT, finished or not
+      if [ ! -f /tmp/bg/log ]; then echo "=== no background job on this machine"; continue; fi
       end=$((SECONDS + ${FOLLOW_S:-540}))
-      while kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
-      if kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; then echo "=== still running"; else
-        echo "=== finished"; fi
+      while [ ! -f /tmp/bg/rc ] && [ $SECONDS -lt $end ]; do sleep 5; done
+      if [ -f /tmp/bg/rc ]; then echo "=== finished, rc=$(cat /tmp/bg/rc)"; else
+        echo "=== still running"; fi
       tail -c 6000 /tmp/bg/log | tr '\r' '\n' | tail -40
       cp -r /tmp/bg/. "$OUT"/ 2>/dev/null; rm -f "$OUT"/*/bench.png ;;
     copyforms)  # issue 34: an FP8 kv head's tiles pulled by each copy form, no attention work

@@ -35,8 +35,11 @@ from nanoserve.kv.fp8_format import FP8, check_device_reads_fp8
 from nanoserve.kv.manager import GiB, KVBudget, KVManager, bind_kv, default_host_budget_gib
 from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
+from nanoserve.models import cuda_moe
 from nanoserve.models.decoder import CausalLM
 from nanoserve.models.loader import load_model
+from nanoserve.models.moe import SparseMoE
+from nanoserve.quant import QuantizedLinear, cuda_gemv
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -126,6 +129,7 @@ class ModelRunner:
         if self.cpu_share is not None and self.cpu_split.fixed is None:
             self.cpu_share.on_step = self._calibrate_split
         if self.device.type == "cuda":
+            self._load_one_row_kernels()
             self._compile_prefill_kernels(spec)
             self.build_prefill_plans(progress)
             self.backend.build_decode_kernels(attn.num_heads, attn.num_kv_heads,
@@ -144,6 +148,17 @@ class ModelRunner:
         loaded = self.kv.streamer.bytes_loaded // self.kv.plan.streamed_layers  # that step's
         self.inputs.cpu_split = self.inputs.cpu_split.calibrated(gap, work, nbytes, loaded)
 
+    def _load_one_row_kernels(self) -> None:
+        """Builds or loads the one-row CUDA kernels this model's batch-1 decode takes (AWQ and
+        FP8 layers, MoE experts) now: an eager engine has no graph warm-up, and its first
+        decode step would build them inside a request (nvcc: up to a minute)."""
+        layers = list(self.model.modules())
+        if any(isinstance(m, QuantizedLinear) and
+               (m.quant.method == "awq" or m.quant.method.startswith("fp8")) for m in layers):
+            cuda_gemv.load()
+        if any(isinstance(m, SparseMoE) for m in layers):
+            cuda_moe.load()
+
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merges (a prefix in one piece and in several: attention/
         prefill.py) and FP8's dequantize, for any token count and for one, now, not in the
@@ -151,10 +166,13 @@ class ModelRunner:
         capture and in the engine's warm-up prompts, warm_up_prompts, which have no prefix)."""
         heads = self.model.attention_layers[0].num_heads
         for n in (2, 1):
-            o = torch.zeros(n, heads, self.mcfg.head_dim, dtype=self.dtype, device=self.device)
-            lse = torch.zeros(n, heads, device=self.device)
-            merge_partials(o, lse, o, lse)
-            parts = merge_with_lse(o, lse, o, lse)
+            # distinct tensors, as a request passes: one passed twice would compile a graph
+            # guarded on the two being the same, and the request's call would compile again
+            o, o2 = (torch.zeros(n, heads, self.mcfg.head_dim, dtype=self.dtype,
+                                 device=self.device) for _ in range(2))
+            lse, lse2 = (torch.zeros(n, heads, device=self.device) for _ in range(2))
+            merge_partials(o, lse, o2, lse2)
+            parts = merge_with_lse(o, lse, o2, lse2)
             parts = merge_with_lse(*parts, o, lse)
             merge_partials(o, lse, *parts)
         if spec.quantized:

@@ -32,6 +32,11 @@ def _extension():
         "the one-token MoE CUDA kernels", CSRC)
 
 
+def load() -> bool:
+    """Builds (first use on a machine) or loads the kernels now; whether they run here."""
+    return _extension() is not None
+
+
 def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor) -> bool:
     """Whether the kernels take x [1, H] routed to ids [1, k] with weights [1, k], over gate_up

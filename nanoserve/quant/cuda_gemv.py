@@ -40,6 +40,11 @@ def _extension():
         "the quantized one-row CUDA kernels", CSRC)
 
 
+def load() -> bool:
+    """Builds (first use on a machine) or loads the kernels now; whether they run here."""
+    return _extension() is not None
+
+
 @cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
