@@ -3,7 +3,8 @@ width 768, bf16): each expert path's time per layer at decode batch sizes agains
 floor, the bytes of the experts the batch routes to (counted, not estimated) plus the router,
 at the device bandwidth measured in the same run. The capturable paths replay as one CUDA
 graph over --layers layers (distinct weights, so nothing is served from L2); the loop runs
-eagerly (it syncs with the host). Usage (GPU):
+eagerly (it syncs with the host). "fused" is the engine's path: at batch 1 the CUDA kernels of
+models/cuda_moe.py where they build (NANOSERVE_ONE_ROW_CUDA=0: Triton's). Usage (GPU):
     python tools/bench_moe.py [--batch 1,2,4,8,16,32,64] [--layers 8]
 """
 

@@ -205,7 +205,7 @@ for w in $what; do
         -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_onerow.log" \
         | grep -E "passed|failed|^E  " | tail -20
       run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 | tee "$OUT/bench_onerow.log"
-      for m in ${ONEROW_MODELS:-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do
+      for m in ${ONEROW_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do
         len=32768; [ "$m" = Qwen3-30B-A3B ] && len=4096
         for flag in 1 0 1 0; do
           NANOSERVE_ONE_ROW_CUDA=$flag run python3 bench_offload.py --model $m --input-len $len \

@@ -52,7 +52,7 @@ def variants(q, k, v, causal, engine_only=False):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", default="4096,8192,16384,32768")
-    ap.add_argument("--pieces", default="131072,262144")
+    ap.add_argument("--pieces", default="65536,131072,262144")
     ap.add_argument("--prompt", type=int, default=1 << 20)
     ap.add_argument("--engine-only", action="store_true", help="only the engine's own call")
     args = ap.parse_args()
@@ -94,7 +94,8 @@ def main() -> None:
               f"({s * HKV * D * 3 / ms / 1e6:.0f} GB/s of bytes read + written)")
         del cache, scales
     n = args.prompt
-    print(f"\none layer's attention over a {n}-token prompt, by chunk and piece (seconds):")
+    print(f"\none layer's attention over a {n}-token prompt, by chunk and keys a call, each "
+          f"call's gather and merge counted (seconds):")
     for t in chunks:
         for s in pieces:
             total = 0.0
