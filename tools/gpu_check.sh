@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|onerowtpot|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_MODELS for onerow; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -199,15 +199,20 @@ for w in $what; do
               | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_gpu_models.log" | tail -30 ;;
     onerow)  # issues 35-36: the one-row CUDA kernels (quant/cuda_gemv.py: AWQ and FP8;
              # models/cuda_moe.py: one token's experts): their GPU tests, one layer against
-             # Triton's, then each model's batch-1 TPOT with them and without
-             # (NANOSERVE_ONE_ROW_CUDA=0), alternating on one machine
+             # Triton's (then `onerowtpot`)
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py tests/test_gpu_models.py \
         -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_onerow.log" \
         | grep -E "passed|failed|^E  " | tail -20
       run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 | tee "$OUT/bench_onerow.log"
+      for flag in 1 0; do  # the MoE layer at batch 1: "fused" with the CUDA kernels, then without
+        NANOSERVE_ONE_ROW_CUDA=$flag run python3 tools/bench_moe.py --batch 1 2>&1 \
+          | sed "s/^/cuda=$flag /" | tee -a "$OUT/bench_moe1.log"
+      done ;;
+    onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
+                 # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine
       for m in ${ONEROW_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do
         len=32768; [ "$m" = Qwen3-30B-A3B ] && len=4096
-        for flag in 1 0 1 0; do
+        for flag in ${ONEROW_FLAGS:-1 0}; do
           NANOSERVE_ONE_ROW_CUDA=$flag run python3 bench_offload.py --model $m --input-len $len \
             --output-len 64 --resident-graph --out "$OUT/onerow_${m}_$flag" 2>&1 \
             | grep -E "^resident" | sed "s/^/cuda=$flag /"
