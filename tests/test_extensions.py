@@ -29,11 +29,11 @@ def test_a_first_build_is_announced_a_cached_one_is_not(tmp_path, monkeypatch, c
 
 
 def test_the_one_row_cuda_kernels_switch(monkeypatch):
-    """NANOSERVE_ONE_ROW_CUDA=0 turns the one-row CUDA kernels off (Triton's run); unset or
-    anything else leaves them on where they build."""
+    """NANOSERVE_ONE_ROW_CUDA=1 turns the one-row CUDA kernels on; unset (they have not run on
+    a GPU yet) or anything else leaves Triton's."""
     from nanoserve.extensions import ONE_ROW_SWITCH, one_row_cuda_wanted
     monkeypatch.delenv(ONE_ROW_SWITCH, raising=False)
-    assert one_row_cuda_wanted()
+    assert not one_row_cuda_wanted()
     monkeypatch.setenv(ONE_ROW_SWITCH, "0")
     assert not one_row_cuda_wanted()
     monkeypatch.setenv(ONE_ROW_SWITCH, "1")
@@ -71,7 +71,7 @@ def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_pat
 
 
 def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
-    """one_row_module: nothing built under NANOSERVE_ONE_ROW_CUDA=0; otherwise built for sm_80
+    """one_row_module: nothing built unless NANOSERVE_ONE_ROW_CUDA=1; then built for sm_80
     and later with its folder and the common headers on the include path."""
     import torch
 
@@ -82,9 +82,9 @@ def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
                         lambda name, sources, **kw: calls.append(kw) or "mod")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.setenv(extensions.ONE_ROW_SWITCH, "0")
+    monkeypatch.delenv(extensions.ONE_ROW_SWITCH, raising=False)
     assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) is None
     assert calls == []
-    monkeypatch.delenv(extensions.ONE_ROW_SWITCH)
+    monkeypatch.setenv(extensions.ONE_ROW_SWITCH, "1")
     assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) == "mod"
     assert calls[0]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]

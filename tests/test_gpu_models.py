@@ -135,7 +135,8 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
                                                            (16, 32, 64, 64), (2, 8, 320, 320)])
 @torch.inference_mode()
 def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, top_k, experts,
-                                                                       hidden, inter):
+                                                                       hidden, inter,
+                                                                       monkeypatch, request):
     """models/cuda_moe.py (batch 1: two CUDA kernels, no sort, no sum kernel) on the same
     weights and routing as the Triton fused path (top k 1 to 16: 16 outputs of down a CTA to
     one; rows of 320: a short second group of loads): within 2^-7 of the largest output of it
@@ -143,7 +144,11 @@ def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, to
     8e-3 (relative norm) of the float64 tile-by-tile twin; experts_fused takes it at one token
     without tiles; a CUDA graph of it replayed with new inputs and new routing gives eager's
     result."""
+    from nanoserve.extensions import ONE_ROW_SWITCH
     from nanoserve.models import cuda_moe, fused_moe, moe_tiles
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")  # off by default until they have run on a GPU
+    cuda_moe._extension.cache_clear()
+    request.addfinalizer(cuda_moe._extension.cache_clear)  # later tests: the default again
     gen = torch.Generator("cuda").manual_seed(top_k)
 
     def inputs():

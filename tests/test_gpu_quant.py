@@ -163,6 +163,17 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         assert not tg._COUNTERS[x.device].any()
 
 
+@pytest.fixture
+def one_row_cuda(monkeypatch):
+    """The one-row CUDA kernels switched on (off by default until they have run on a GPU)."""
+    from nanoserve.extensions import ONE_ROW_SWITCH
+    from nanoserve.quant import cuda_gemv
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    cuda_gemv._extension.cache_clear()
+    yield
+    cuda_gemv._extension.cache_clear()
+
+
 def _one_row_cases(call, x, ref, monkeypatch, label):
     """call(x) through the CUDA one-row kernel at 1 to 32 K splits: within 2^-8 of ref's
     largest output, the same bit for bit on a second run, the split counters back at zero; a
@@ -193,7 +204,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
                                                    (torch.bfloat16, torch.bfloat16)])
 @torch.inference_mode()
 def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, scale_dtype,
-                                                                        monkeypatch):
+                                                                        monkeypatch, one_row_cuda):
     """AWQ's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
     formats.dequantize's weight (_one_row_cases' bounds), for groups 32, 64 and 128, output
     counts that fill 256-output slices and that do not (288: a slice of 32), and 86 groups
@@ -220,7 +231,8 @@ def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
 @torch.inference_mode()
-def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monkeypatch):
+def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monkeypatch,
+                                                                   one_row_cuda):
     """FP8's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
     the e4m3 weight times its scales (_one_row_cases' bounds): 128 x 128 blocks (N 4096, and
     N 300 with K 1,152: nine steps, splits that do not divide them, a partial block of

@@ -203,7 +203,8 @@ for w in $what; do
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py tests/test_gpu_models.py \
         -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_onerow.log" \
         | grep -E "passed|failed|^E  " | tail -20
-      run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 | tee "$OUT/bench_onerow.log"
+      NANOSERVE_ONE_ROW_CUDA=1 run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 \
+        | tee "$OUT/bench_onerow.log"
       for flag in 1 0; do  # the MoE layer at batch 1: "fused" with the CUDA kernels, then without
         NANOSERVE_ONE_ROW_CUDA=$flag run python3 tools/bench_moe.py --batch 1 2>&1 \
           | sed "s/^/cuda=$flag /" | tee -a "$OUT/bench_moe1.log"

@@ -7,7 +7,10 @@ through torch's cpp_extension (nvcc); where it cannot be built, or for other sha
 path runs (`supports` says which).
 
 Session 23's profile of Qwen3-30B-A3B at batch 1 (H200) put the expert kernels at 25.8 us a
-layer, about 1.4x their bytes' floor, and the sort and the sum over k at 6 us more."""
+layer, about 1.4x their bytes' floor, and the sort and the sum over k at 6 us more.
+
+Off unless NANOSERVE_ONE_ROW_CUDA=1 (nanoserve/extensions.py): written and reviewed without a
+GPU, they have not run on one yet."""
 
 from __future__ import annotations
 

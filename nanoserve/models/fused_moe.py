@@ -6,9 +6,9 @@ over the stacked weights, each tile of rows belonging to one expert:
   written once and the [pairs, 2I] one of the unfused path never exists;
 - down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
   token are then summed (one reduction, in fp32, rounded once).
-One token (batch-1 decode) goes to models/cuda_moe.py's two CUDA kernels where they build: no
-sort and no sum kernel. The router's softmax, top-k and renormalization run as one kernel too
-(`route`). No host
+One token (batch-1 decode) goes to models/cuda_moe.py's two CUDA kernels where they build and
+are switched on (NANOSERVE_ONE_ROW_CUDA=1): no sort and no sum kernel. The router's softmax,
+top-k and renormalization run as one kernel too (`route`). No host
 synchronization anywhere: the padded sizes are bounded by the pair count, so every launch has a
 static grid and is captured in decode graphs; tiles past the used ones exit.
 
@@ -276,7 +276,7 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts). FP8 experts: e4m3 stacks
     with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
     tiles (x is not quantized). One token in half precision, tiles not given: the CUDA
-    kernels of models/cuda_moe.py where they build."""
+    kernels of models/cuda_moe.py where they build and are switched on."""
     if tiles is None and scales is None and ids.shape[0] == 1:
         from nanoserve.models import cuda_moe  # batch-1 decode: two kernels, no sort, no sum
         if cuda_moe.supports(x, weights, ids, gate_up, down):

@@ -9,7 +9,10 @@ lane's values widened to floats (AWQ: two nibbles through bf16's bit pattern in 
 operations; e4m3: two in one `cvt`), one FMA an element; K split over CTAs and the parts summed
 in a fixed order by the last CTA of each slice of outputs (gemv_split.cuh). Triton's GEMVs ran at
 2.4-4.0x the weights' floor (AWQ) and about 2.0 TB/s (FP8) per layer on an H100 (sessions 21-22).
-"""
+
+
+Off unless NANOSERVE_ONE_ROW_CUDA=1 (nanoserve/extensions.py): written and reviewed without a
+GPU, they have not run on one yet."""
 
 from __future__ import annotations
 
