@@ -61,8 +61,9 @@ def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up:
 
 def supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor) -> bool:
-    """shape_ok, on a GPU where the kernels build."""
-    return x.is_cuda and shape_ok(x, weights, ids, gate_up, down) and _extension() is not None
+    """shape_ok, on a GPU where the kernels build (checked first: it is cached, and switched
+    off it ends every batch-1 layer's check at once)."""
+    return x.is_cuda and _extension() is not None and shape_ok(x, weights, ids, gate_up, down)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

@@ -111,18 +111,19 @@ def one_row(x: torch.Tensor, args: dict) -> torch.Tensor | None:
     """x [1, K] times a quantized weight given as quant/triton_gemm.quant_gemm's arguments
     (QuantizedLinear._kernel_args), through the CUDA kernels: y [1, N] in x's dtype; None where
     they do not take it (no GPU, no build, another format or shape)."""
-    if not x.is_cuda:
+    # the cached build first: switched off (the default), an eager decode step's every layer
+    # returns here, before any shape check
+    if not x.is_cuda or _extension() is None:
         return None
     from nanoserve.quant.triton_gemm import AWQ, FP8  # the format ids (GPU installs: Triton)
     if args["fmt"] == AWQ:
         awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"], group=args["group"])
-        if awq_shape_ok(x, **awq) and _extension() is not None:
+        if awq_shape_ok(x, **awq):
             return awq_gemv(x, **awq)
     elif args["fmt"] == FP8:
         fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
                    scale_cols=args["scale_cols"])
-        if _capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8) and \
-                _extension() is not None:
+        if _capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8):
             return fp8_gemv(x, **fp8)
     return None
 
