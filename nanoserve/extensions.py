@@ -11,14 +11,14 @@ from pathlib import Path
 
 log = logging.getLogger("nanoserve")
 
-# "1": the one-row CUDA kernels (quant/cuda_gemv.py, models/cuda_moe.py) run where they build;
-# otherwise Triton's. Off by default until they have run on a GPU: they were written and
-# reviewed without one (docs/perf-notes.md, session 26); tools/gpu_check.sh onerow tests them
+# the one-row CUDA kernels (quant/cuda_gemv.py, models/cuda_moe.py) run where they build; "0"
+# here leaves Triton's (batch-1 TPOT on an H100, session 27: AWQ 5.08 against 6.66 ms, MoE 4.00
+# against 4.36, FP8 even; docs/perf-notes.md); tools/gpu_check.sh onerow tests them
 ONE_ROW_SWITCH = "NANOSERVE_ONE_ROW_CUDA"
 
 
 def one_row_cuda_wanted() -> bool:
-    return os.environ.get(ONE_ROW_SWITCH) == "1"
+    return os.environ.get(ONE_ROW_SWITCH) != "0"
 
 
 def load_extension(name: str, sources: list[Path], what: str, **kw):
@@ -59,7 +59,7 @@ def cuda_module(name: str, sources: list[Path], what: str, capability: tuple[int
 
 def one_row_module(name: str, sources: list[Path], what: str, include: Path):
     """cuda_module for the one-row kernels (sm_80 and later, -O3, Triton's the fallback), or
-    None unless ONE_ROW_SWITCH turns them on."""
+    None where ONE_ROW_SWITCH turns them off."""
     if not one_row_cuda_wanted():
         return None
     return cuda_module(name, sources, what, (8, 0), "Triton's", extra_cflags=["-O3"],

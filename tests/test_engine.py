@@ -49,9 +49,9 @@ def test_no_page_leaks_after_all_requests_finish(qwen3_dir):
 
 
 def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
-    """The start-up warm-up (run on CUDA engines) runs one prompt step per warm-up length,
-    capped by the chunk budget, then one that fills the step, returns every page, and changes
-    no later request's tokens."""
+    """The start-up warm-up (run on CUDA engines) runs one prompt step per warm-up length (one
+    token first), capped by the chunk budget, then one that fills the step, returns every page,
+    and changes no later request's tokens."""
     prompts = random_prompts(2, [13, 30], seed=5)
     cold = make_llm(qwen3_dir, max_num_batched_tokens=256)
     expected = tokens(cold.generate(prompts, GREEDY))
@@ -61,7 +61,7 @@ def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
     run = runner.run
     runner.run = lambda batch: steps.append(batch.num_new_tokens) or run(batch)
     runner.warm_up_prompts()
-    assert steps == [[90], [131], [160], [256]]  # the last fills the step
+    assert steps == [[1], [90], [131], [160], [256]]  # the last fills the step
     assert llm.engine.kv.num_free == llm.engine.kv.capacity
     assert tokens(llm.generate(prompts, GREEDY)) == expected
 
@@ -69,10 +69,10 @@ def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
 def test_the_warm_up_lengths_cap_at_the_step_and_end_with_a_full_one():
     from nanoserve.engine.model_runner import warm_up_lengths
 
-    assert warm_up_lengths(8192) == [90, 131, 160, 8192]
-    assert warm_up_lengths(128) == [90, 128, 128]  # 131 and 160 capped: a full step already
-    assert warm_up_lengths(160) == [90, 131, 160]
-    assert warm_up_lengths(50) == [50, 50, 50]
+    assert warm_up_lengths(8192) == [1, 90, 131, 160, 8192]
+    assert warm_up_lengths(128) == [1, 90, 128, 128]  # 131 and 160 capped: a full step already
+    assert warm_up_lengths(160) == [1, 90, 131, 160]
+    assert warm_up_lengths(50) == [1, 50, 50, 50]
 
 
 def test_preemption_and_recompute_give_the_same_tokens(qwen3_dir):

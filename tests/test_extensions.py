@@ -29,15 +29,14 @@ def test_a_first_build_is_announced_a_cached_one_is_not(tmp_path, monkeypatch, c
 
 
 def test_the_one_row_cuda_kernels_switch(monkeypatch):
-    """NANOSERVE_ONE_ROW_CUDA=1 turns the one-row CUDA kernels on; unset (they have not run on
-    a GPU yet) or anything else leaves Triton's."""
+    """The one-row CUDA kernels are on unless NANOSERVE_ONE_ROW_CUDA=0 (Triton's)."""
     from nanoserve.extensions import ONE_ROW_SWITCH, one_row_cuda_wanted
     monkeypatch.delenv(ONE_ROW_SWITCH, raising=False)
-    assert not one_row_cuda_wanted()
-    monkeypatch.setenv(ONE_ROW_SWITCH, "0")
-    assert not one_row_cuda_wanted()
+    assert one_row_cuda_wanted()
     monkeypatch.setenv(ONE_ROW_SWITCH, "1")
     assert one_row_cuda_wanted()
+    monkeypatch.setenv(ONE_ROW_SWITCH, "0")
+    assert not one_row_cuda_wanted()
 
 
 def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_path, monkeypatch,
@@ -71,8 +70,8 @@ def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_pat
 
 
 def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
-    """one_row_module: nothing built unless NANOSERVE_ONE_ROW_CUDA=1; then built for sm_80
-    and later with its folder and the common headers on the include path."""
+    """one_row_module: nothing built with NANOSERVE_ONE_ROW_CUDA=0; by default built for
+    sm_80 and later with its folder and the common headers on the include path."""
     import torch
 
     from nanoserve import extensions
@@ -82,9 +81,9 @@ def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
                         lambda name, sources, **kw: calls.append(kw) or "mod")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.delenv(extensions.ONE_ROW_SWITCH, raising=False)
+    monkeypatch.setenv(extensions.ONE_ROW_SWITCH, "0")
     assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) is None
     assert calls == []
-    monkeypatch.setenv(extensions.ONE_ROW_SWITCH, "1")
+    monkeypatch.delenv(extensions.ONE_ROW_SWITCH)
     assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) == "mod"
     assert calls[0]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]

@@ -146,7 +146,7 @@ def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, to
     result."""
     from nanoserve.extensions import ONE_ROW_SWITCH
     from nanoserve.models import cuda_moe, fused_moe, moe_tiles
-    monkeypatch.setenv(ONE_ROW_SWITCH, "1")  # off by default until they have run on a GPU
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")  # the default, whatever the caller's environment
     cuda_moe._extension.cache_clear()
     request.addfinalizer(cuda_moe._extension.cache_clear)  # later tests: the default again
     gen = torch.Generator("cuda").manual_seed(top_k)

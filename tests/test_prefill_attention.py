@@ -48,20 +48,16 @@ CASES = [(t, p, h, hkv) for t, p in ((1, 0), (5, 0), (64, 0), (1, 1), (5, 7), (6
          for h, hkv in ((8, 8), (8, 2), (8, 1))]
 
 
-@pytest.fixture(params=["one-kernel", "split", "pieces", "pieces-split", "calls-split"])
+@pytest.fixture(params=["one-kernel", "split", "pieces", "pieces-split"])
 def route(request, monkeypatch):
     """Every route of a chunk with a prefix: one SDPA call (small work), or split and merged;
     the prefix read in pieces of 5 tokens (most cases' prefixes take several, the last one
     short, starting mid-page in the paged cases), small work through the planless kernel or
-    all through the split route's; and pieces of 64 tokens attended 16 keys at a time (the
-    last call of the last piece short)."""
+    all through the split route's."""
     if request.param.endswith("split"):
         monkeypatch.setattr("nanoserve.attention.prefill.SPLIT_MIN_WORK", 0)
     if request.param.startswith("pieces"):
         monkeypatch.setattr("nanoserve.attention.prefill.PREFIX_PIECE", 5)
-    if request.param.startswith("calls"):
-        monkeypatch.setattr("nanoserve.attention.prefill.PREFIX_PIECE", 64)
-        monkeypatch.setattr("nanoserve.attention.prefill.keys_per_call", lambda *_: 16)
     return request.param
 
 
@@ -237,30 +233,21 @@ def test_a_long_prefix_is_read_in_pieces_of_prefix_piece_tokens(monkeypatch):
     assert (out.double() - reference(q, k, v, 23, 0.3)).abs().max() < 1e-5
 
 
-def test_each_piece_is_attended_keys_per_call_keys_at_a_time(monkeypatch):
-    """A piece of 5 keys with calls of 2 keys: calls over 2, 2, 1 keys, then 2 and 1 for the
-    last piece of 3 (prefix 8), each over all the chunk's queries, merged to float64's result;
-    a short call with less work than a plan build (6 x 1 < 7) planless, a full one not.
-    keys_per_call: 64K keys at d=128 in bf16 (32 MiB of K and V a kv head), a power of two,
-    never more than a piece."""
+def test_a_short_last_piece_with_little_work_is_attended_planless(monkeypatch):
+    """Pieces of 5 over a prefix of 6: a full piece through the plan kernel, the last piece of
+    one key, less work than a plan build (6 x 1 < 7), planless; merged to float64's result."""
     import nanoserve.attention.prefill as prefill
 
-    assert prefill.keys_per_call(128, 2) == 1 << 16
-    assert prefill.keys_per_call(256, 2) == 1 << 15
-    assert prefill.keys_per_call(96, 2) == 1 << 16  # 87,381 rounded down
-    assert prefill.keys_per_call(64, 2) == prefill.keys_per_call(32, 2) == prefill.PREFIX_PIECE
     monkeypatch.setattr(prefill, "PREFIX_PIECE", 5)
     monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 7)
-    monkeypatch.setattr(prefill, "L2_KV_BYTES", 2 * 2 * 8 * 4)
     calls = []
     real = prefill.attention_with_lse
     monkeypatch.setattr(prefill, "attention_with_lse", lambda *a, **kw: calls.append(
         (a[0].shape[0], a[1].shape[0], a[3], kw.get("planless", False))) or real(*a, **kw))
-    q, k, v = random_qkv(6, 8, 4, 2, 8, torch.float32, "cpu", 5)
-    out = chunk_attention(q, k[8:], v[8:], k[:8], v[:8], 0.3)
-    assert calls == [(6, 6, True, False), (6, 2, False, False), (6, 2, False, False),
-                     (6, 1, False, True), (6, 2, False, False), (6, 1, False, True)]
-    assert (out.double() - reference(q, k, v, 8, 0.3)).abs().max() < 1e-5
+    q, k, v = random_qkv(6, 6, 4, 2, 8, torch.float32, "cpu", 5)
+    out = chunk_attention(q, k[6:], v[6:], k[:6], v[:6], 0.3)
+    assert calls == [(6, 6, True, False), (6, 5, False, False), (6, 1, False, True)]
+    assert (out.double() - reference(q, k, v, 6, 0.3)).abs().max() < 1e-5
 
 
 def test_varlen_only_for_many_short_fresh_prompts():
@@ -364,17 +351,17 @@ def test_chunked_prefill_equals_unchunked_on_gpu(tmp_path, chunk, route):
 
 @gpu
 def test_a_prompt_over_a_prefix_compiles_no_merge_in_the_request(tmp_path, monkeypatch):
-    """The prefill merges are compiled at start (ModelRunner._compile_prefill_kernels, with
-    distinct tensors: one passed twice compiled a graph guarded on their being the same, and a
-    request's call compiled again): a 1,500-token prompt in chunks of 512, each chunk's prefix
-    attended 64 keys a call (one part, several, the float32 accumulation), makes no new dynamo
-    graph."""
+    """The prefill merges are compiled at start (ModelRunner._compile_prefill_kernels, under
+    inference mode as requests run, with distinct tensors: one passed twice compiled a graph
+    guarded on their being the same), and an eager engine's one-token graphs in its warm-up: a
+    1,500-token prompt in chunks of 512, each chunk's prefix read in pieces of 64 (one part,
+    several, the float32 accumulation), then a decode step, makes no new dynamo graph."""
     from torch._dynamo.utils import counters
 
     import nanoserve.attention.prefill as prefill
     from nanoserve import SamplingParams
     monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 0)
-    monkeypatch.setattr(prefill, "keys_per_call", lambda *_: 64)
+    monkeypatch.setattr(prefill, "PREFIX_PIECE", 64)
     make_hf_model("qwen3", tmp_path, **GPU_SHAPE)
     llm = make_gpu_llm(tmp_path, enforce_eager=True)
     before = counters["stats"]["unique_graphs"]

@@ -19,14 +19,12 @@ thread that runs the engine's steps builds them (LLMEngine.prepare_thread).
 A long prefix is read and attended in pieces of PREFIX_PIECE tokens, merged by log-sum-exp:
 its gather (FP8 dequantized to the model's dtype) takes bounded memory at any context, where a
 2M-token prefix read whole took 13 GB of temporaries a layer, and a long prompt's chunks share
-plans: every full call has one shape, and the last call's length (the prefix modulo a call's
-keys, a multiple of the chunk) takes few values over a whole prompt, where the prefix read
-whole took a new length, and a plan build, at every chunk.
-
-Each piece is attended L2_KV_BYTES' worth of keys at a time (64K keys at d=128 in bf16): cuDNN's
-query tiles of one kv head then read its K and V from L2, where at 128K keys they fall out of it
-and the call runs about 10% slower (H200: 686 against 601-621 TFLOP/s for 8,192 queries,
-tools/probes/prefix_attention_rate.py). The gather stays a piece long: its cost is per call.
+plans: every full piece has one shape, and the last piece's length (the prefix modulo the
+piece, a multiple of the chunk) takes PREFIX_PIECE / chunk values over a whole prompt, where
+the prefix read whole took a new length, and a plan build, at every chunk. A piece is one
+cuDNN call: calls over 64K keys (a kv head's K and V in L2) ran 10% faster in a burst
+(tools/probes/prefix_attention_rate.py), but not at the power cap a long prefill runs at
+(H200, 256K tokens: TTFT 36.8 s either way; tools/probes/sustained_rate.py).
 
 A step of many short fresh prompts (no prefix) goes through one FA2 varlen call instead of a
 call per prompt: 2.3x faster at 16 x 512 tokens, where each per-prompt call fills few SMs.
@@ -55,8 +53,6 @@ VARLEN_MAX_LEN = 1024
 # a prefix is read and attended this many tokens at a time (module docstring): a piece's
 # gather takes at most 0.8 GB (FP8 cache, 8 KV heads of 128), its partials are merged in float32
 PREFIX_PIECE = 1 << 17
-# one kv head's K and V over the keys of one prefix call fit this (module docstring)
-L2_KV_BYTES = 32 << 20
 
 # reads a prefix's tokens [lo, hi) as K and V [hi - lo, kv_heads, d] in the model's dtype
 PrefixReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -186,29 +182,19 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefi
     return merge_partials(o, lse, *parts)
 
 
-def keys_per_call(head_dim: int, itemsize: int) -> int:
-    """Prefix keys one call attends to: the largest power of two whose K and V for one kv head
-    fit L2_KV_BYTES, at most a piece."""
-    keys = max(1, L2_KV_BYTES // (2 * head_dim * itemsize))
-    return min(PREFIX_PIECE, 1 << (keys.bit_length() - 1))
-
-
 def _over_prefix(q: torch.Tensor, prefix_len: int, read_prefix: PrefixReader, scale: float
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """q's attention over each stretch of its prefix (all visible) and its log-sum-exp,
-    contiguous [T, H]: the prefix read a piece at a time, each piece attended keys_per_call
-    keys at a time."""
+    """q's attention over each PREFIX_PIECE of its prefix (all visible) and its log-sum-exp,
+    contiguous [T, H]."""
     t = q.shape[0]
     for lo in range(0, prefix_len, PREFIX_PIECE):
         hi = min(prefix_len, lo + PREFIX_PIECE)
         k_prefix, v_prefix = read_prefix(lo, hi)
-        step = keys_per_call(q.shape[-1], k_prefix.element_size())
-        for a in range(0, hi - lo, step):
-            b = min(hi - lo, a + step)
-            # a full call's shape recurs (its plan is built once); a short last one's may not
-            op, lsep = attention_with_lse(q, k_prefix[a:b], v_prefix[a:b], False, scale,
-                                          planless=b - a < step and t * (b - a) < SPLIT_MIN_WORK)
-            yield op, lsep.t().contiguous()
+        # a full piece's shape recurs (its plan is built once); a short last one's may not
+        op, lsep = attention_with_lse(q, k_prefix, v_prefix, False, scale,
+                                      planless=hi - lo < PREFIX_PIECE and
+                                      t * (hi - lo) < SPLIT_MIN_WORK)
+        yield op, lsep.t().contiguous()
 
 
 def _one_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

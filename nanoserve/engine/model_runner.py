@@ -73,8 +73,11 @@ WARM_UP_PROMPT_LENGTHS = (90, 131, 160)
 
 
 def warm_up_lengths(step_tokens: int) -> list[int]:
-    """The warm-up prompts' lengths when a step holds `step_tokens` prompt tokens."""
-    lengths = [min(n, step_tokens) for n in WARM_UP_PROMPT_LENGTHS]
+    """The warm-up prompts' lengths when a step holds `step_tokens` prompt tokens. A one-token
+    prompt first: dynamo specializes the fused functions at one token, the count an eager
+    engine's batch-1 decode step runs them at (it has no graph warm-up; its first decode step
+    compiled three graphs inside a request)."""
+    lengths = [1] + [min(n, step_tokens) for n in WARM_UP_PROMPT_LENGTHS]
     return lengths + [step_tokens] if step_tokens > max(lengths) else lengths
 
 
@@ -159,6 +162,7 @@ class ModelRunner:
         if any(isinstance(m, SparseMoE) for m in layers):
             cuda_moe.load()
 
+    @torch.inference_mode()  # as requests run: grad mode is in dynamo's guards
     def _compile_prefill_kernels(self, spec: KVSpec) -> None:
         """Compiles the prefill merges (a prefix in one piece and in several: attention/
         prefill.py) and FP8's dequantize, for any token count and for one, now, not in the

@@ -7,7 +7,7 @@ over the stacked weights, each tile of rows belonging to one expert:
 - down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
   token are then summed (one reduction, in fp32, rounded once).
 One token (batch-1 decode) goes to models/cuda_moe.py's two CUDA kernels where they build and
-are switched on (NANOSERVE_ONE_ROW_CUDA=1): no sort and no sum kernel. The router's softmax,
+are not switched off (NANOSERVE_ONE_ROW_CUDA=0): no sort and no sum kernel. The router's softmax,
 top-k and renormalization run as one kernel too (`route`). No host
 synchronization anywhere: the padded sizes are bounded by the pair count, so every launch has a
 static grid and is captured in decode graphs; tiles past the used ones exit.
