@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from nanoserve import LLM, SamplingParams, StructuredOutputs
 from nanoserve.config import KV_CACHE_DTYPES, EngineConfig, config_default
-from nanoserve.cuda_timing import median_ms
+from nanoserve.cuda_timing import held_rate, median_ms
 from nanoserve.engine.grammar import Grammars, byte_vocabulary
 from nanoserve.engine.prefill_progress import PrefillProgress, prefill_counts
 from nanoserve.kv.pages import pages_needed
@@ -71,7 +71,8 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
-    return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops,
+    held = 2 * 8192**3 * held_rate(lambda: a @ b) / 1e12
+    return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops, "bf16_held_TFLOPs": held,
             "fp8_TFLOPs": fp8_tflops(), "host_read_GBps": host_read_gbps()}
 
 
@@ -147,6 +148,13 @@ def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
     linear = 2 * (num_active_params(cfg) - emb) * tokens
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
     return batch * (linear + attn)
+
+
+def held_share(ceil: dict) -> float:
+    """The matmul rate the GPU holds over the burst rate the FLOP floor counts (nan where not
+    measured): a prompt that prefills for seconds runs at the clock the power limit sets, so
+    its TTFT over the floor times this is its ratio to what the tensor cores can hold."""
+    return ceil.get("bf16_held_TFLOPs", float("nan")) / ceil["bf16_TFLOPs"]
 
 
 def prefill_floor_s(cfg: ModelConfig, tokens: int, batch: int, ceil: dict, tp: int = 1
@@ -374,9 +382,10 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     floor = max(row["pcie_floor_ms"], row["hbm_floor_ms"])
     row["tpot_over_floor"] = row["tpot_ms_median"] / floor
     row["ttft_over_floor"] = ttft / row["prefill_floor_s"]
+    row["ttft_over_held_floor"] = row["ttft_over_floor"] * held_share(ceil)
     if args.synthetic_prefill:  # the prefill computed less than a page per prompt
         row.update(synthetic_prefill=True, ttft_s=float("nan"), prefill_tok_s=float("nan"),
-                   ttft_over_floor=float("nan"))
+                   ttft_over_floor=float("nan"), ttft_over_held_floor=float("nan"))
     del llm, engine, runner
     gc.collect()
     return row
@@ -521,7 +530,9 @@ def run_hf(args, hf, cache: str, input_len: int, batch: int, cfg: ModelConfig,
             "h2d_bytes_per_step": 0.0, "pcie_floor_ms": 0.0, "hbm_floor_ms": 0.0,
             "prefill_floor_s": prefill_floor_s(cfg, input_len, batch, ceil),
             "tpot_over_floor": float("nan"),
-            "ttft_over_floor": ttft / prefill_floor_s(cfg, input_len, batch, ceil)}
+            "ttft_over_floor": ttft / prefill_floor_s(cfg, input_len, batch, ceil),
+            "ttft_over_held_floor": ttft / prefill_floor_s(cfg, input_len, batch, ceil)
+            * held_share(ceil)}
 
 
 def compare_hf(args, model_dir: Path, cfg: ModelConfig, ceil: dict, rows: list[dict],
@@ -590,15 +601,18 @@ def _print_ratios(rows: list[dict], key: str, title: str, line) -> None:
 
 
 def print_table(rows: list[dict], ceil: dict) -> None:
+    nan = float("nan")
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
-          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, FP8 "
+          f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s "
+          f"({ceil.get('bf16_held_TFLOPs', float('nan')):.0f} held), FP8 "
           f"{ceil.get('fp8_TFLOPs') or 0:.0f}, host "
           f"memory reads {ceil.get('host_read_GBps', float('nan')):.0f} GB/s")
     tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
     if tp_ceils:
         print(f"host->device, GPUs copying at once: {tp_ceils} GB/s together")
     head = (f"{'mode':<24}{'sampling':<12}{'ctx':>7}{'bs':>4}{'tp':>3}{'res/str':>9}{'TTFT s':>8}"
-            f"{'xFLOP':>7}{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}{'xfloor':>7}"
+            f"{'xFLOP':>7}{'xheld':>7}{'prefill t/s':>12}{'TPOT ms':>9}{'p90':>8}{'floor':>8}"
+            f"{'xfloor':>7}"
             f"{'dec t/s':>9}{'out t/s':>9}{'H2D GB':>8}{'cpu':>5}{'peak GiB':>9}{'host ms':>8}")
     print(head)
     print("-" * len(head))
@@ -616,13 +630,15 @@ def print_table(rows: list[dict], ceil: dict) -> None:
             continue
         if r["mode"].startswith("hf-"):
             print(f"{start}{'':>9}{r['ttft_s']:>8.2f}"
-                  f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
+                  f"{r['ttft_over_floor']:>7.2f}{r.get('ttft_over_held_floor', nan):>7.2f}"
+                  f"{r['prefill_tok_s']:>12,.0f}"
                   f"{r['tpot_ms_median']:>9.2f}{'':>8}{'':>8}{'':>7}{r['decode_tok_s']:>9.1f}"
                   f"{r['output_tok_s']:>9.1f}{'':>8}{r['peak_gpu_GiB']:>9.1f}")
             continue
         floor = max(r["pcie_floor_ms"], r["hbm_floor_ms"])
         print(f"{start}{r['resident_layers']:>5}/{r['streamed_layers']:<3}{r['ttft_s']:>8.2f}"
-              f"{r['ttft_over_floor']:>7.2f}{r['prefill_tok_s']:>12,.0f}"
+              f"{r['ttft_over_floor']:>7.2f}{r.get('ttft_over_held_floor', nan):>7.2f}"
+              f"{r['prefill_tok_s']:>12,.0f}"
               f"{r['tpot_ms_median']:>9.2f}{r['tpot_ms_p90']:>8.2f}{floor:>8.2f}"
               f"{r['tpot_over_floor']:>7.2f}{r['decode_tok_s']:>9.1f}{r['output_tok_s']:>9.1f}"
               f"{r['h2d_bytes_per_step'] / 1e9:>8.2f}{r.get('cpu_fraction', 0.0):>5.2f}"

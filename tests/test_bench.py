@@ -368,3 +368,24 @@ def test_the_fit_check_counts_memory_the_previous_rows_engine_held(monkeypatch):
     cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
     assert fits(parse_args(["--model", "tiny-qwen3"]), cfg, 4096, 32)
     assert released
+
+
+def test_ttft_is_also_held_to_the_matmul_rate_the_gpu_holds(capsys):
+    """A row's TTFT over the FLOP floor, and over the floor at the rate the tensor cores hold
+    once the power limit sets the clock (held 0.8 of the burst: 0.8 of the ratio); the table
+    prints both and the ceilings line the held rate; no held rate measured: nan."""
+    from bench_offload import held_share
+
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "3"])
+    cfg = ModelConfig.from_dir(EMBEDDED_MODEL)
+    ceil = {**CEIL, "bf16_held_TFLOPs": 0.8}
+    assert held_share(ceil) == pytest.approx(0.8)
+    assert math.isnan(held_share(CEIL))
+    row = run_mode(args, "resident-eager", 48, 1, cfg, ceil, None)
+    assert row["ttft_over_held_floor"] == pytest.approx(0.8 * row["ttft_over_floor"])
+    assert row["ttft_over_floor"] == pytest.approx(row["ttft_s"] / row["prefill_floor_s"])
+    print_table([row], ceil)
+    out = capsys.readouterr().out
+    assert "bf16 matmul 1 TFLOP/s (1 held)" in out
+    assert f"{row['ttft_over_floor']:>7.2f}{row['ttft_over_held_floor']:>7.2f}" in out
+    assert " xFLOP  xheld" in out

@@ -50,8 +50,8 @@ def test_no_page_leaks_after_all_requests_finish(qwen3_dir):
 
 def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
     """The start-up warm-up (run on CUDA engines) runs one prompt step per warm-up length (one
-    token first), capped by the chunk budget, then one that fills the step, returns every page,
-    and changes no later request's tokens."""
+    token first, a chunk that samples nothing), capped by the chunk budget, then one that fills
+    the step, returns every page, and changes no later request's tokens."""
     prompts = random_prompts(2, [13, 30], seed=5)
     cold = make_llm(qwen3_dir, max_num_batched_tokens=256)
     expected = tokens(cold.generate(prompts, GREEDY))
@@ -59,9 +59,13 @@ def test_the_warm_up_prompts_run_and_leave_nothing_behind(qwen3_dir):
     runner = llm.engine.runner
     steps = []
     run = runner.run
-    runner.run = lambda batch: steps.append(batch.num_new_tokens) or run(batch)
+    outs = []
+    runner.run = lambda batch: steps.append(batch.num_new_tokens) or \
+        outs.append(run(batch)) or outs[-1]
     runner.warm_up_prompts()
     assert steps == [[1], [90], [131], [160], [256]]  # the last fills the step
+    # the one-token step is a chunk of a longer prompt (no row sampled); the others sample
+    assert outs[0] == [None] and all(o[0] is not None for o in outs[1:])
     assert llm.engine.kv.num_free == llm.engine.kv.capacity
     assert tokens(llm.generate(prompts, GREEDY)) == expected
 
