@@ -107,3 +107,15 @@ def test_the_split_keeps_every_cta_resident(sms):
     if sms == 132:
         assert [cuda_gemv.num_splits(s, g, 4 * 132) for s, g in
                 ((16, 32), (24, 32), (96, 32), (16, 96))] == [32, 22, 5, 32]
+
+
+def test_a_split_asked_for_is_held_to_a_unit_a_cta_and_max_splits(monkeypatch):
+    """_split: num_splits' choice unless a split is asked for (tools/bench_quant.py --splits),
+    which is held to 1..min(units, MAX_SPLITS)."""
+    monkeypatch.setattr(cuda_gemv, "_num_sms", lambda index: 132)
+    x = torch.zeros(1, 8)
+    assert cuda_gemv._split(None, 24, 32, 4, x) == 22
+    assert cuda_gemv._split(8, 24, 32, 4, x) == 8
+    assert cuda_gemv._split(64, 24, 96, 4, x) == cuda_gemv.MAX_SPLITS
+    assert cuda_gemv._split(16, 24, 5, 4, x) == 5
+    assert cuda_gemv._split(0, 24, 32, 4, x) == 1

@@ -4,6 +4,7 @@ against the device-memory floor of its bytes (decode) and against cuBLAS on the 
 bf16 (prefill), with tile candidates; in CUDA graphs, cycling over enough copies of the weight
 that none stays in L2. Usage (GPU):
     python tools/bench_quant.py [--rows 1,16,64,4096] [--formats fp8,awq,gptq] [--tune]
+        [--splits 1,2,4,8,16,32]
 Shapes are Qwen3-8B's: qkv, o, gate_up, down; FP8 from CUBLAS_ROWS rows through cuBLAS too. The
 device-memory rate is a copy's, measured here.
 """
@@ -112,9 +113,10 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
 
 
 def cuda_row(x: torch.Tensor, copies: list[dict], n: int, ref: torch.Tensor,
-             floor: float) -> None:
+             floor: float, splits: list[int]) -> None:
     """One row through the CUDA kernels (quant/cuda_gemv.py, the engine's default where they
-    build): their time against the floor and their largest difference from Triton's."""
+    build): their time against the floor and their largest difference from Triton's; then at
+    each K split of `splits` (CTAs a slice of outputs) instead of num_splits' choice."""
     if cuda_gemv.one_row(x, copies[0]) is None:
         print("  CUDA GEMV: does not take this shape here")
         return
@@ -123,6 +125,12 @@ def cuda_row(x: torch.Tensor, copies: list[dict], n: int, ref: torch.Tensor,
     us = graph_time_us([lambda a=a: cuda_gemv.one_row(x, a) for a in copies])
     print(f"  CUDA GEMV: {us:7.1f} us ({us / floor:.2f}x the floor), {err:.1e} of Triton's "
           f"largest output apart", flush=True)
+    timed = []
+    for s in splits:
+        split_us = graph_time_us([lambda a=a, s=s: cuda_gemv.one_row(x, a, s) for a in copies])
+        timed.append(f"{s} {split_us:.1f}")
+    if timed:
+        print("  CUDA GEMV by K split (CTAs a slice: us): " + "; ".join(timed), flush=True)
 
 
 def main() -> None:
@@ -131,6 +139,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp8,awq,gptq")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true", help="time every tile candidate")
+    ap.add_argument("--splits", default="",
+                    help="one row: the CUDA GEMVs also at these K splits, e.g. 1,2,4,8,16,32")
     args = ap.parse_args()
     torch.manual_seed(0)
     rate = copy_rate_gbs()
@@ -156,7 +166,7 @@ def main() -> None:
         default_us = graph_time_us([lambda a=a, x=x, n=n, c=tries[0][1]: c(x, a, n)
                                     for a in copies])
         if fmt in ("awq", "fp8") and rows == 1:
-            cuda_row(x, copies, n, ref, floor)
+            cuda_row(x, copies, n, ref, floor, [int(s) for s in args.splits.split(",") if s])
         results = [(default_us, "default")]
         for label, call in tries[1:]:
             try:

@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|onerowtpot|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -203,7 +203,8 @@ for w in $what; do
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py tests/test_gpu_models.py \
         -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_onerow.log" \
         | grep -E "passed|failed|^E  " | tail -20
-      NANOSERVE_ONE_ROW_CUDA=1 run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 \
+      NANOSERVE_ONE_ROW_CUDA=1 run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 \
+        --splits "${ONEROW_SPLITS-2,4,8,16,32}" 2>&1 \
         | tee "$OUT/bench_onerow.log"
       for flag in 1 0; do  # the MoE layer at batch 1: "fused" with the CUDA kernels, then without
         NANOSERVE_ONE_ROW_CUDA=$flag run python3 tools/bench_moe.py --batch 1 2>&1 \

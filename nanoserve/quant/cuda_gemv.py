@@ -108,46 +108,56 @@ def num_splits(slices: int, units: int, resident: int) -> int:
     return max(1, min(units, MAX_SPLITS, resident // slices))
 
 
-def one_row(x: torch.Tensor, args: dict) -> torch.Tensor | None:
+def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Tensor | None:
     """x [1, K] times a quantized weight given as quant/triton_gemm.quant_gemm's arguments
     (QuantizedLinear._kernel_args), through the CUDA kernels: y [1, N] in x's dtype; None where
-    they do not take it (no GPU, no build, another format or shape)."""
-    # the cached build first: switched off (the default), an eager decode step's every layer
-    # returns here, before any shape check
+    they do not take it (no GPU, no build, another format or shape). `splits`: the K split's
+    CTAs a slice instead of num_splits' (tools/bench_quant.py --splits times them)."""
+    # the cached build first: switched off (NANOSERVE_ONE_ROW_CUDA=0), an eager decode step's
+    # every layer returns here, before any shape check
     if not x.is_cuda or _extension() is None:
         return None
     from nanoserve.quant.triton_gemm import AWQ, FP8  # the format ids (GPU installs: Triton)
     if args["fmt"] == AWQ:
         awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"], group=args["group"])
         if awq_shape_ok(x, **awq):
-            return awq_gemv(x, **awq)
+            return awq_gemv(x, **awq, splits=splits)
     elif args["fmt"] == FP8:
         fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
                    scale_cols=args["scale_cols"])
         if _capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8):
-            return fp8_gemv(x, **fp8)
+            return fp8_gemv(x, **fp8, splits=splits)
     return None
 
 
 def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-             group: int) -> torch.Tensor:
+             group: int, splits: int | None = None) -> torch.Tensor:
     """x [1, K] times the AWQ weight (qweight w [K, N / 8], qzeros, scales): y [1, N] in x's
-    dtype. See awq_shape_ok."""
+    dtype. See awq_shape_ok; `splits` as one_row's."""
     k, n = w.shape[0], scales.shape[-1]
     slices = -(-n // AWQ_OUTS)
-    split = num_splits(slices, k // group, AWQ_CTAS_PER_SM * _num_sms(x.device.index or 0))
+    split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, x)
     return _launch("awq_gemv", x, n, slices, split, w, zeros, scales, group=group)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor,
-             scale_cols: int) -> torch.Tensor:
+             scale_cols: int, splits: int | None = None) -> torch.Tensor:
     """x [1, K] times e4m3 w [N, K], output n's scale for inputs k scales[scale_row[n], k //
-    scale_cols]: y [1, N] in x's dtype. See fp8_shape_ok."""
+    scale_cols]: y [1, N] in x's dtype. See fp8_shape_ok; `splits` as one_row's."""
     n, k = w.shape
     slices = -(-n // FP8_OUTS)
-    split = num_splits(slices, k // FP8_STEP, FP8_CTAS_PER_SM * _num_sms(x.device.index or 0))
+    split = _split(splits, slices, k // FP8_STEP, FP8_CTAS_PER_SM, x)
     return _launch("fp8_gemv", x, n, slices, split, w, scales, scale_row,
                    scale_cols=min(scale_cols, 1 << 30))
+
+
+def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int,
+           x: torch.Tensor) -> int:
+    """num_splits' choice, or `splits` held to 1..min(units, MAX_SPLITS) (each CTA needs a
+    unit; the counters and parts are sized for MAX_SPLITS)."""
+    if splits is None:
+        return num_splits(slices, units, ctas_per_sm * _num_sms(x.device.index or 0))
+    return max(1, min(splits, units, MAX_SPLITS))
 
 
 def _launch(kernel: str, x: torch.Tensor, n: int, slices: int, split: int,
