@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from nanoserve.cuda_timing import held_rate
+
 aten = torch.ops.aten
 
 
@@ -25,18 +27,12 @@ def gpu_state() -> str:
                           capture_output=True, text=True).stdout.strip()
 
 
-def sustain(name: str, fn, flops: float, seconds: float, window: float = 4.0) -> list[float]:
-    """Runs fn back to back for `seconds`; prints and returns each window's TFLOP/s."""
+def sustain(name: str, fn, flops: float, seconds: float, window: float = 6.0) -> list[float]:
+    """Runs fn back to back for `seconds`; prints and returns each window's TFLOP/s (the last
+    two thirds of each, held_rate's)."""
     rates, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end:
-        torch.cuda.synchronize()
-        t0, n = time.perf_counter(), 0
-        while time.perf_counter() - t0 < window:
-            for _ in range(8):
-                fn()
-            n += 8
-            torch.cuda.synchronize()
-        rate = n * flops / (time.perf_counter() - t0) / 1e12
+        rate = held_rate(fn, window) * flops / 1e12
         rates.append(rate)
         print(f"{name:<34} {rate:6.0f} TFLOP/s  {gpu_state()}", flush=True)
     return rates
