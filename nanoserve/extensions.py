@@ -21,6 +21,18 @@ def one_row_cuda_wanted() -> bool:
     return os.environ.get(ONE_ROW_SWITCH) != "0"
 
 
+# "1": the one-row GEMVs are launched with programmatic dependent launch on sm_90 and later (a
+# GEMV fetches its first weights into L2 while the kernel ahead of it finishes; csrc/
+# one_row.cuh). Off until measured: it has not run on a GPU
+PDL_SWITCH = "NANOSERVE_PDL"
+
+
+def pdl_wanted(capability: tuple[int, int]) -> bool:
+    """Whether kernels that support it launch with programmatic dependent launch on a device
+    of this compute capability."""
+    return os.environ.get(PDL_SWITCH) == "1" and capability >= (9, 0)
+
+
 def load_extension(name: str, sources: list[Path], what: str, **kw):
     """torch's cpp_extension.load of `sources` as module `name`; raises what it raises."""
     from torch.utils import cpp_extension

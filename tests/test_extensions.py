@@ -87,3 +87,16 @@ def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
     monkeypatch.delenv(extensions.ONE_ROW_SWITCH)
     assert extensions.one_row_module("ns_z", [Path("a.cu")], "Z", Path("inc")) == "mod"
     assert calls[0]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]
+
+
+def test_programmatic_dependent_launch_only_when_asked_and_on_sm90(monkeypatch):
+    """NANOSERVE_PDL=1 launches the one-row GEMVs with programmatic dependent launch, on
+    compute capability 9.0 and later only; unset or anything else, never."""
+    from nanoserve.extensions import PDL_SWITCH, pdl_wanted
+    monkeypatch.delenv(PDL_SWITCH, raising=False)
+    assert not pdl_wanted((9, 0))
+    monkeypatch.setenv(PDL_SWITCH, "0")
+    assert not pdl_wanted((10, 0))
+    monkeypatch.setenv(PDL_SWITCH, "1")
+    assert pdl_wanted((9, 0)) and pdl_wanted((10, 0))
+    assert not pdl_wanted((8, 9)) and not pdl_wanted((8, 0))

@@ -163,12 +163,14 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         assert not tg._COUNTERS[x.device].any()
 
 
-@pytest.fixture
-def one_row_cuda(monkeypatch):
-    """The one-row CUDA kernels switched on (the default), built afresh."""
-    from nanoserve.extensions import ONE_ROW_SWITCH
+@pytest.fixture(params=[False, True], ids=["plain", "pdl"])
+def one_row_cuda(request, monkeypatch):
+    """The one-row CUDA kernels switched on (the default), built afresh; launched plainly and
+    with programmatic dependent launch (NANOSERVE_PDL=1; sm_90 and later, plain below)."""
+    from nanoserve.extensions import ONE_ROW_SWITCH, PDL_SWITCH
     from nanoserve.quant import cuda_gemv
     monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    monkeypatch.setenv(PDL_SWITCH, "1" if request.param else "0")
     cuda_gemv._extension.cache_clear()
     yield
     cuda_gemv._extension.cache_clear()
@@ -177,7 +179,10 @@ def one_row_cuda(monkeypatch):
 def _one_row_cases(call, x, ref, monkeypatch, label):
     """call(x) through the CUDA one-row kernel at 1 to 32 K splits: within 2^-8 of ref's
     largest output, the same bit for bit on a second run, the split counters back at zero; a
-    CUDA graph of it replayed on new rows gives what an eager call gives."""
+    CUDA graph of it replayed on new rows gives what an eager call gives, its x written by the
+    kernel ahead of it and two calls back to back (with programmatic dependent launch the GEMV
+    starts before that kernel ends and waits for it; the second call may start while the first
+    runs, on the same split counters)."""
     from nanoserve.quant import cuda_gemv
     from nanoserve.quant import triton_gemm as tg
     for sms in (1, 5, 8, 10, 132):  # how many CTAs the split aims at: even and uneven runs
@@ -192,11 +197,15 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = call(static)
+        doubled = static * 2
+        out, again = call(doubled), call(doubled)
     for _ in range(2):
         static.copy_(torch.randn_like(x))
         graph.replay()
-        assert torch.equal(out, call(static)), label
+        expect = call(static * 2)
+        assert torch.equal(out, expect) and torch.equal(again, expect), label
+        if tg._COUNTERS:
+            assert not tg._COUNTERS[x.device].any()
 
 
 @pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.float16),

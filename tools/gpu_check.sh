@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|onerowtpot|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|onerowtpot|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -221,6 +221,21 @@ for w in $what; do
         done
       done
       rm -f "$OUT"/*/bench.png ;;
+    pdl)  # issues 35-36: the one-row GEMVs with programmatic dependent launch (NANOSERVE_PDL=1)
+          # and without: their GPU tests (both ways), one layer, then batch-1 TPOT alternating
+          # PDL_FLAGS on one machine
+      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k cuda_gemv -p no:cacheprovider \
+        2>&1 | tee "$OUT/pytest_pdl.log" | grep -E "passed|failed|^E  " | tail -20
+      for flag in 1 0; do
+        NANOSERVE_PDL=$flag run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 \
+          | grep -E "CUDA GEMV:|^(awq|fp8)" | sed "s/^/pdl=$flag /"
+      done
+      for m in ${PDL_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8}; do
+        for flag in ${PDL_FLAGS:-1 0 1 0}; do
+          NANOSERVE_PDL=$flag run python3 bench_offload.py --model $m --input-len 32768 \
+            --output-len 64 --resident-graph 2>&1 | grep -E "^resident" | sed "s/^/pdl=$flag $m /"
+        done
+      done ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
             # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \

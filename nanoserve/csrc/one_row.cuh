@@ -1,9 +1,11 @@
 // What the one-row CUDA kernels share (quant/csrc/awq_gemv.cu, fp8_gemv.cu; models/csrc/
-// moe_gemv.cu): a streaming 16-byte load and conversions between 16-bit floats and float.
+// moe_gemv.cu): a streaming 16-byte load, conversions between 16-bit floats and float, and
+// programmatic dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -16,6 +18,11 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
+}
+
+// the 128-byte line holding p fetched into L2, nothing waited for
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -33,6 +40,40 @@ __device__ __forceinline__ float2 pair(uint32_t w, __half) {
 
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// Programmatic dependent launch (sm_90 and later; no-ops below, and in a kernel launched
+// without it). A kernel launched with it may start before the kernel ahead of it in the stream
+// has finished: what it does before pdl_wait() may read only what no kernel writes (weights and
+// their scales), and it writes nothing before. pdl_trigger(): the next kernel launched with it
+// may start its own such prologue now.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, 0, stream>>>(p), launched with programmatic dependent launch when pdl
+// (the caller checks the device: sm_90 and later)
+template <typename Params>
+inline void launch(void (*kernel)(Params), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
+                   const Params& p) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, p);
+}
 
 // v rounded to T and back
 template <typename T>

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import one_row_module
+from nanoserve.extensions import one_row_module, pdl_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
@@ -166,10 +166,11 @@ def _launch(kernel: str, x: torch.Tensor, n: int, slices: int, split: int,
 
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials, counters = split_buffers(y, split, (slices, 1, split))
+    pdl = pdl_wanted(_capability(x.device.index or 0))
     with torch.cuda.device(x.device):
         stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
         refused = getattr(_extension(), kernel)(x, *tensors, y, partials, counters,
-                                                *ints.values(), split, stream)
+                                                *ints.values(), split, int(pdl), stream)
     if refused:
         raise RuntimeError(refused)
     return y

@@ -20,7 +20,9 @@
 // conversion, one FMA an element.
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
-// divide the groups), summed as gemv_split.cuh says.
+// divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
+// launch (p.pdl), a CTA fetches its first group's weight rows into L2 before it waits for the
+// kernel ahead of it (x is that kernel's output).
 #include "awq_gemv.h"
 #include "gemv_split.cuh"
 
@@ -74,6 +76,10 @@ __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
   float out[32];
 #pragma unroll
   for (int o = 0; o < 32; ++o) out[o] = 0.f;
+  // lane col of a quarter warp: the line of its row's slice in step col of the first group
+  if (live && col < STEPS && rows > 0)
+    one_row::prefetch_l2(w - col * 4 + static_cast<size_t>(col * ROW_SLOTS) * words);
+  one_row::pdl_wait();
 
   for (int g0 = 0; g0 < rows; g0 += GROUP) {
     uint4 q[STEPS];
@@ -128,6 +134,7 @@ __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
     }
   }
 
+  one_row::pdl_trigger();
   // lanes col, col + 8, col + 16 and col + 24 of a warp hold the same outputs
 #pragma unroll
   for (int o = 0; o < 32; ++o) {
@@ -156,12 +163,15 @@ __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
 
 template <typename XT, typename ST>
 const char* launch_group(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
+  void (*kernel)(AwqGemvParams) = nullptr;
   switch (p.group) {
-    case 32: awq_gemv_kernel<XT, ST, 2><<<grid, THREADS, 0, stream>>>(p); return "";
-    case 64: awq_gemv_kernel<XT, ST, 4><<<grid, THREADS, 0, stream>>>(p); return "";
-    case 128: awq_gemv_kernel<XT, ST, 8><<<grid, THREADS, 0, stream>>>(p); return "";
+    case 32: kernel = awq_gemv_kernel<XT, ST, 2>; break;
+    case 64: kernel = awq_gemv_kernel<XT, ST, 4>; break;
+    case 128: kernel = awq_gemv_kernel<XT, ST, 8>; break;
     default: return "AWQ GEMV: group size must be 32, 64 or 128";
   }
+  one_row::launch(kernel, grid, dim3(THREADS), stream, p.pdl, p);
+  return "";
 }
 
 template <typename XT>

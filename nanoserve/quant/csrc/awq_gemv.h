@@ -16,6 +16,7 @@ struct AwqGemvParams {
   int n, k, group;
   int splits;                 // CTAs K is split over (1 to k / group), each whole groups
   bool x_bf16, scales_bf16;
+  bool pdl;                   // launched with programmatic dependent launch (sm_90 and later)
 };
 
 // "" on success, else why nothing was launched (an unsupported group size)

@@ -11,7 +11,9 @@
 // lanes read 16 bytes each (whole contiguous rows a quarter warp: the copy form that reads at
 // the device's rate, docs/perf-notes.md, session 25). STEPS steps are loaded together, then
 // used: two e4m3 become two halves in one cvt, then floats, one FMA an input, the step's sum
-// scaled once. K split over gridDim.y CTAs, each a run of whole steps: gemv_split.cuh.
+// scaled once. K split over gridDim.y CTAs, each a run of whole steps: gemv_split.cuh. Launched
+// with programmatic dependent launch (p.pdl), a CTA fetches its rows' first steps into L2 before
+// it waits for the kernel ahead of it (x is that kernel's output).
 #include <cuda_fp8.h>
 
 #include "fp8_gemv.h"
@@ -63,6 +65,9 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
   const XT* x = static_cast<const XT*>(p.x) + k_begin + col * 16;
   const float* scales = p.scales + static_cast<size_t>(live ? p.scale_row[n] : 0) * p.stride_s;
   float acc = 0.f;
+  // lane col of a quarter warp: step col of its row (the line its 8 lanes read together)
+  if (live && col * STEP < rows) one_row::prefetch_l2(w - col * 16 + col * STEP);
+  one_row::pdl_wait();
   for (int k0 = 0; k0 < rows; k0 += STEPS * STEP) {
     uint4 wq[STEPS];
 #pragma unroll
@@ -83,6 +88,7 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
       }
     }
   }
+  one_row::pdl_trigger();
   if (SCALE_ONCE && live) acc *= scales[0];
   // the 8 lanes of a quarter warp hold one output's parts
   acc += __shfl_xor_sync(0xffffffffu, acc, 4);
@@ -98,11 +104,11 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
 template <typename XT>
 void launch(const Fp8GemvParams& p, dim3 grid, cudaStream_t stream) {
   if (p.scale_cols >= p.k)
-    fp8_gemv_kernel<XT, true, false><<<grid, THREADS, 0, stream>>>(p);
+    one_row::launch(fp8_gemv_kernel<XT, true, false>, grid, dim3(THREADS), stream, p.pdl, p);
   else if (p.scale_cols == STEP)
-    fp8_gemv_kernel<XT, false, true><<<grid, THREADS, 0, stream>>>(p);
+    one_row::launch(fp8_gemv_kernel<XT, false, true>, grid, dim3(THREADS), stream, p.pdl, p);
   else
-    fp8_gemv_kernel<XT, false, false><<<grid, THREADS, 0, stream>>>(p);
+    one_row::launch(fp8_gemv_kernel<XT, false, false>, grid, dim3(THREADS), stream, p.pdl, p);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@ struct Fp8GemvParams {
   int scale_cols;            // inputs a scale covers: a multiple of 128, or at least k
   int splits;                // CTAs K is split over (1 to k / 128), each whole 128-input steps
   bool x_bf16;
+  bool pdl;                  // launched with programmatic dependent launch (sm_90 and later)
 };
 
 // "" on success, else why nothing was launched

@@ -1,8 +1,9 @@
 // torch binding of the one-row products (awq_gemv.cu, fp8_gemv.cu). Python (quant/cuda_gemv.py)
 // checks the tensors' dtypes, shapes, alignment and devices; this takes their pointers. Errors
 // come back as strings, never as C++ exceptions. The stream is the caller's current one (a
-// graph's capture stream while capturing), passed as an integer. With one split the kernels
-// read neither partials nor counters (the caller may pass any tensor for them).
+// graph's capture stream while capturing), passed as an integer; pdl: launched with programmatic
+// dependent launch (the caller checks for sm_90). With one split the kernels read neither
+// partials nor counters (the caller may pass any tensor for them).
 #include <torch/extension.h>
 
 #include <string>
@@ -20,7 +21,8 @@ std::string launched(const char* refused) {
 
 std::string awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros,
                      torch::Tensor scales, torch::Tensor y, torch::Tensor partials,
-                     torch::Tensor counters, int64_t group, int64_t splits, int64_t stream) {
+                     torch::Tensor counters, int64_t group, int64_t splits, int64_t pdl,
+                     int64_t stream) {
   AwqGemvParams p{};
   p.x = x.data_ptr();
   p.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
@@ -35,12 +37,13 @@ std::string awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzero
   p.splits = static_cast<int>(splits);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
   p.scales_bf16 = scales.scalar_type() == torch::kBFloat16;
+  p.pdl = pdl != 0;
   return launched(awq_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
                      torch::Tensor scale_row, torch::Tensor y, torch::Tensor partials,
-                     torch::Tensor counters, int64_t scale_cols, int64_t splits,
+                     torch::Tensor counters, int64_t scale_cols, int64_t splits, int64_t pdl,
                      int64_t stream) {
   Fp8GemvParams p{};
   p.x = x.data_ptr();
@@ -57,6 +60,7 @@ std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
   p.scale_cols = static_cast<int>(std::min<int64_t>(scale_cols, 1 << 30));
   p.splits = static_cast<int>(splits);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
+  p.pdl = pdl != 0;
   return launched(fp8_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
