@@ -71,9 +71,11 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
+    fp8, host = fp8_tflops(), host_read_gbps()
+    # last: 3 s of matmuls leave the clock where the power limit set it
     held = 2 * 8192**3 * held_rate(lambda: a @ b) / 1e12
     return {"h2d_GBps": h2d, "hbm_GBps": hbm, "bf16_TFLOPs": tflops, "bf16_held_TFLOPs": held,
-            "fp8_TFLOPs": fp8_tflops(), "host_read_GBps": host_read_gbps()}
+            "fp8_TFLOPs": fp8, "host_read_GBps": host}
 
 
 def fp8_tflops() -> float | None:
@@ -153,7 +155,9 @@ def prefill_flops(cfg: ModelConfig, tokens: int, batch: int) -> float:
 def held_share(ceil: dict) -> float:
     """The matmul rate the GPU holds over the burst rate the FLOP floor counts (nan where not
     measured): a prompt that prefills for seconds runs at the clock the power limit sets, so
-    its TTFT over the floor times this is its ratio to what the tensor cores can hold."""
+    its TTFT over the floor times this is its ratio to what the tensor cores can hold. An FP8
+    model's floor, mostly at the FP8 rate, is scaled by bf16's share too (the clock is the
+    same; its FP8 rate held is not measured)."""
     return ceil.get("bf16_held_TFLOPs", float("nan")) / ceil["bf16_TFLOPs"]
 
 
@@ -604,9 +608,9 @@ def print_table(rows: list[dict], ceil: dict) -> None:
     nan = float("nan")
     print(f"\nceilings: host->device {ceil['h2d_GBps']:.1f} GB/s, device memory "
           f"{ceil['hbm_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s "
-          f"({ceil.get('bf16_held_TFLOPs', float('nan')):.0f} held), FP8 "
+          f"({ceil.get('bf16_held_TFLOPs', nan):.0f} held), FP8 "
           f"{ceil.get('fp8_TFLOPs') or 0:.0f}, host "
-          f"memory reads {ceil.get('host_read_GBps', float('nan')):.0f} GB/s")
+          f"memory reads {ceil.get('host_read_GBps', nan):.0f} GB/s")
     tp_ceils = ", ".join(f"{n} GPUs {gbs:.1f}" for n, gbs in ceil.get("h2d_GBps_tp", {}).items())
     if tp_ceils:
         print(f"host->device, GPUs copying at once: {tp_ceils} GB/s together")

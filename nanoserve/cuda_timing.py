@@ -4,6 +4,7 @@ after a warm-up, and the median (the GPU machines are shared and noisy)."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -30,8 +31,6 @@ def held_rate(fn: Callable[[], object], seconds: float = 3.0) -> float:
     the GPU holds once its power limit sets the clock, where median_ms times a burst at the
     boost clock (an H100's bf16 matmul: 786 TFLOP/s in a burst, 660 held at 1,320 MHz and
     690 W; tools/probes/sustained_rate.py)."""
-    import time
-
     def run_for(s: float) -> tuple[int, float]:
         torch.cuda.synchronize()
         t0, n = time.perf_counter(), 0
@@ -45,4 +44,3 @@ def held_rate(fn: Callable[[], object], seconds: float = 3.0) -> float:
     run_for(seconds / 3)
     n, elapsed = run_for(2 * seconds / 3)
     return n / elapsed
-

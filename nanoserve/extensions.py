@@ -12,8 +12,9 @@ from pathlib import Path
 log = logging.getLogger("nanoserve")
 
 # the one-row CUDA kernels (quant/cuda_gemv.py, models/cuda_moe.py) run where they build; "0"
-# here leaves Triton's (batch-1 TPOT on an H100, session 27: AWQ 5.08 against 6.66 ms, MoE 4.00
-# against 4.36, FP8 even; docs/perf-notes.md); tools/gpu_check.sh onerow tests them
+# (only that value) here leaves Triton's (batch-1 TPOT on an H100, session 27: AWQ 5.08
+# against 6.66 ms, MoE 4.00 against 4.36, FP8 even; docs/perf-notes.md); tools/gpu_check.sh
+# onerow tests them
 ONE_ROW_SWITCH = "NANOSERVE_ONE_ROW_CUDA"
 
 

@@ -69,7 +69,7 @@ def test_a_cuda_module_needs_its_gpu_and_falls_back_when_its_build_fails(tmp_pat
     assert "Y could not be built (RuntimeError: nvcc: not found); using Z's" in caplog.text
 
 
-def test_the_one_row_modules_build_only_when_switched_on(tmp_path, monkeypatch):
+def test_the_one_row_modules_build_unless_switched_off(tmp_path, monkeypatch):
     """one_row_module: nothing built with NANOSERVE_ONE_ROW_CUDA=0; by default built for
     sm_80 and later with its folder and the common headers on the include path."""
     import torch

@@ -354,18 +354,19 @@ def test_a_prompt_over_a_prefix_compiles_no_merge_in_the_request(tmp_path, monke
     """The prefill merges are compiled at start (ModelRunner._compile_prefill_kernels, under
     inference mode as requests run, with distinct tensors: one passed twice compiled a graph
     guarded on their being the same), and an eager engine's one-token graphs in its warm-up: a
-    1,500-token prompt in chunks of 512, each chunk's prefix read in pieces of 64 (one part,
-    several, the float32 accumulation), then a decode step, makes no new dynamo graph."""
+    2,000-token prompt in chunks of 512, its prefixes read in pieces of 512 (one piece, the
+    merge of two bf16 parts, the float32 accumulation of three), then a decode step, makes no
+    new dynamo graph."""
     from torch._dynamo.utils import counters
 
     import nanoserve.attention.prefill as prefill
     from nanoserve import SamplingParams
     monkeypatch.setattr(prefill, "SPLIT_MIN_WORK", 0)
-    monkeypatch.setattr(prefill, "PREFIX_PIECE", 64)
+    monkeypatch.setattr(prefill, "PREFIX_PIECE", 512)
     make_hf_model("qwen3", tmp_path, **GPU_SHAPE)
     llm = make_gpu_llm(tmp_path, enforce_eager=True)
     before = counters["stats"]["unique_graphs"]
-    prompt = random_prompts(1, [1500], vocab=2048, seed=3)
+    prompt = random_prompts(1, [2000], vocab=2048, seed=3)
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(out[0].token_ids) == 2
     assert counters["stats"]["unique_graphs"] == before

@@ -127,8 +127,11 @@ def cuda_row(x: torch.Tensor, copies: list[dict], n: int, ref: torch.Tensor,
           f"largest output apart", flush=True)
     timed = []
     for s in splits:
+        split_err = ((cuda_gemv.one_row(x, copies[0], s).float() - ref).abs().max() /
+                     ref.abs().max()).item()
         split_us = graph_time_us([lambda a=a, s=s: cuda_gemv.one_row(x, a, s) for a in copies])
-        timed.append(f"{s} {split_us:.1f}")
+        timed.append(f"{s} {split_us:.1f}" + ("" if split_err < 0.05 else
+                                               f" (WRONG: {split_err:.1e} apart)"))
     if timed:
         print("  CUDA GEMV by K split (CTAs a slice: us): " + "; ".join(timed), flush=True)
 

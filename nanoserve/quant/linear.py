@@ -4,7 +4,8 @@ ones.
 
 On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
 per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; one row of AWQ or FP8
-through quant/cuda_gemv.py's CUDA kernels where they build, when switched on); elsewhere, and where
+through quant/cuda_gemv.py's CUDA kernels where they build, unless NANOSERVE_ONE_ROW_CUDA=0);
+elsewhere, and where
 those do not take the rows, it dequantizes the weight and multiplies: the reference path, which
 the kernels are tested against.
 """
@@ -104,7 +105,7 @@ class QuantizedLinear(nn.Module):
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The product through a kernel that dequantizes inside it, for rows x [M,
         in_features]: one row (AWQ, FP8) through the CUDA GEMVs (quant/cuda_gemv.py) where they
-        are switched on, build and take the shape, the rest through Triton's
+        build, take the shape and are not switched off, the rest through Triton's
         (quant/triton_gemm.py); None where no kernel takes them (quant/triton_gemm.supports) or
         this layer (a fused GPTQ layer whose shards' g_idx differ)."""
         try:
