@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|bg|follow|onerow|onerowtpot|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -164,6 +164,11 @@ for w in $what; do
     tp128k)  # issue 15: offloaded 128K, every layer streamed, TP 1 and every GPU
       run $B --input-len 131072 --offload-graph --tensor-parallel-size "1,$(nvidia-smi -L | wc -l)" \
         --out "$OUT/tp128k" 2>&1 | grep --line-buffered -v -E "(it|tok)/s\]" | tail -12 ;;
+    heldrate)  # issue 34: what the tensor cores hold at the power limit (bf16 matmul, cuDNN's
+               # prefix attention) against their burst rates, beside clock, power and NVML's
+               # reasons (about 2 minutes)
+      run python3 tools/probes/sustained_rate.py --seconds ${HELD_S:-40} 2>&1 \
+        | tee "$OUT/sustained.log" | tail -30 ;;
     prefixrate)  # issue 34: cuDNN's prefix attention by chunk and keys per call, the per-call
                  # gather and merge, summed over a 1M prompt (PREFIX_ARGS)
       run python3 tools/probes/prefix_attention_rate.py ${PREFIX_ARGS:---engine-only} 2>&1 \
