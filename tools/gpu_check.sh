@@ -205,7 +205,11 @@ for w in $what; do
     onerow)  # issues 35-36: the one-row CUDA kernels (quant/cuda_gemv.py: AWQ and FP8;
              # models/cuda_moe.py: one token's experts): their GPU tests, one layer against
              # Triton's (then `onerowtpot`)
-      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py tests/test_gpu_models.py \
+      # (the whole of test_gpu_models.py takes more than 300 s on an H100: its MoE CUDA tests)
+      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py \
+        tests/test_gpu_models.py::test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs \
+        tests/test_gpu_models.py::test_qwen3_30b_a3b_widths_decode_in_graphs_at_batch_1_and_32 \
+        tests/test_gpu_models.py::test_fused_moe_greedy_tokens_equal_the_loops \
         -p no:cacheprovider 2>&1 | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_onerow.log" \
         | grep -E "passed|failed|^E  " | tail -20
       NANOSERVE_ONE_ROW_CUDA=1 run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 \
