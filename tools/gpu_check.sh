@@ -233,7 +233,8 @@ for w in $what; do
     pdl)  # issues 35-36: the one-row GEMVs with programmatic dependent launch (NANOSERVE_PDL=1)
           # and without: their GPU tests (both ways), one layer, then batch-1 TPOT alternating
           # PDL_FLAGS on one machine
-      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k cuda_gemv -p no:cacheprovider \
+      run python3 -m pytest -q -m gpu tests/test_gpu_pdl.py tests/test_gpu_quant.py -k "cuda_gemv or pdl" \
+        -p no:cacheprovider \
         2>&1 | tee "$OUT/pytest_pdl.log" | grep -E "passed|failed|^E  " | tail -20
       for flag in 1 0; do
         NANOSERVE_PDL=$flag run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 \

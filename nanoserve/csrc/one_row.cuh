@@ -8,10 +8,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace one_row {
 
-// 16 bytes of weights, read once: not kept in L1
+// 16 bytes of weights, read once: not kept in L1. The non-coherent path: only for what no kernel
+// writes while this one runs (never a previous kernel's output under PDL, below)
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -43,9 +46,10 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2
 
 // Programmatic dependent launch (sm_90 and later; no-ops below, and in a kernel launched
 // without it). A kernel launched with it may start before the kernel ahead of it in the stream
-// has finished: what it does before pdl_wait() may read only what no kernel writes (weights and
-// their scales), and it writes nothing before. pdl_trigger(): the next kernel launched with it
-// may start its own such prologue now.
+// has finished: before pdl_wait() it may read only what no kernel on the stream writes (weights,
+// their scales, scale rows), and it writes nothing; after it, what the kernel ahead wrote is
+// read with coherent loads (not load_stream or __ldg). pdl_trigger(): the next kernel launched
+// with it may start its own such prologue now.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -57,12 +61,26 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// whether `kernel`'s code was compiled for sm_90 or later, so that its pdl_wait() is in it: an
+// extension built from an older architecture's PTX and compiled for a Hopper at load time has
+// none, and must not be launched with PDL
+inline bool has_pdl_wait(const void* kernel) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, bool> known;
+  const std::lock_guard<std::mutex> hold(mutex);
+  const auto it = known.find(kernel);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes a{};
+  const bool has = cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.ptxVersion >= 90;
+  return known[kernel] = has;
+}
+
 // kernel<<<grid, block, 0, stream>>>(p), launched with programmatic dependent launch when pdl
-// (the caller checks the device: sm_90 and later)
+// and the kernel holds its wait (the caller checks the device: sm_90 and later)
 template <typename Params>
 inline void launch(void (*kernel)(Params), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
                    const Params& p) {
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[1] = {};
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
@@ -71,7 +89,7 @@ inline void launch(void (*kernel)(Params), dim3 grid, dim3 block, cudaStream_t s
   config.dynamicSmemBytes = 0;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = pdl && has_pdl_wait(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, p);
 }
 

@@ -76,9 +76,13 @@ __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
   float out[32];
 #pragma unroll
   for (int o = 0; o < 32; ++o) out[o] = 0.f;
-  // lane col of a quarter warp: the line of its row's slice in step col of the first group
-  if (live && col < STEPS && rows > 0)
-    one_row::prefetch_l2(w - col * 4 + static_cast<size_t>(col * ROW_SLOTS) * words);
+  // lane col of a quarter warp: its row's 128-byte slice in step col of the first group (two
+  // lines where the slice straddles them: rows are n / 2 bytes apart)
+  if (live && col < STEPS) {
+    const uint32_t* slice = w - col * 4 + static_cast<size_t>(col * ROW_SLOTS) * words;
+    one_row::prefetch_l2(slice);
+    one_row::prefetch_l2(slice + 31);
+  }
   one_row::pdl_wait();
 
   for (int g0 = 0; g0 < rows; g0 += GROUP) {

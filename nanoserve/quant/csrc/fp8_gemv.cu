@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       if (k0 + s * STEP >= rows) break;
+      // coherent loads: under PDL x is the kernel ahead's output (one_row.cuh)
       const uint4* xp = reinterpret_cast<const uint4*>(x + k0 + s * STEP);
-      const float part = dot16<XT>(wq[s], __ldg(xp), __ldg(xp + 1));
+      const float part = dot16<XT>(wq[s], xp[0], xp[1]);
       if (SCALE_ONCE) {
         acc += part;
       } else {

@@ -1,0 +1,110 @@
+"""Programmatic dependent launch of the one-row GEMVs (NANOSERVE_PDL=1, csrc/one_row.cuh): a
+GEMV launched with it may start while the kernel ahead of it runs, and must wait for that
+kernel's output before it reads it. Ahead of it here runs a kernel that lets it start at once,
+spins, and only then writes x: a GEMV that read x before its wait would read zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or
+                                 torch.cuda.get_device_capability() < (9, 0),
+                                 reason="needs a CUDA GPU of sm_90 or later (PDL)")]
+
+EARLY_WRITER = r"""
+#include <torch/extension.h>
+#include <cuda_fp16.h>
+
+// lets the next kernel start at once, spins `cycles`, then writes x[i] = v ((i % 13) - 6) / 8
+__global__ void early_writer_kernel(__half* x, int k, float v, long long cycles) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  for (int i = threadIdx.x; i < k; i += blockDim.x)
+    x[i] = __float2half(v * static_cast<float>((i % 13) - 6) / 8.f);
+}
+
+void early_writer(torch::Tensor x, double v, int64_t cycles, int64_t stream) {
+  early_writer_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      static_cast<__half*>(x.data_ptr()), static_cast<int>(x.numel()), static_cast<float>(v),
+      cycles);
+}
+"""
+CYCLES = 200_000  # about 100 us at 2 GHz: far longer than a GEMV's launch
+
+
+@pytest.fixture(scope="module")
+def writer():
+    from torch.utils.cpp_extension import load_inline
+    return load_inline(
+        "nanoserve_test_early_writer",
+        cpp_sources="void early_writer(torch::Tensor x, double v, int64_t cycles, "
+                    "int64_t stream);",
+        cuda_sources=EARLY_WRITER, functions=["early_writer"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"])
+
+
+@torch.inference_mode()
+def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, monkeypatch):
+    """AWQ (K = N = 4,096, groups of 128) and FP8 (per-channel scales) GEMVs, twice back to
+    back after the early writer, x zeroed before each run: eager 50 times and in a CUDA graph
+    replayed 20 times, both calls equal what the GEMV gives on x written before it starts,
+    and the split counters are back at zero."""
+    from nanoserve.extensions import ONE_ROW_SWITCH, PDL_SWITCH
+    from nanoserve.quant import cuda_gemv
+    from nanoserve.quant import triton_gemm as tg
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    cuda_gemv._extension.cache_clear()
+    dev = torch.device("cuda")
+    k = n = 4096
+    gen = torch.Generator(device=dev).manual_seed(0)
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev,
+                            generator=gen)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32,
+                           device=dev, generator=gen)
+    scales = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01).half()
+    w8 = (torch.randn(n, k, device=dev, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    s8 = torch.rand(n, 1, device=dev, generator=gen) + 0.5
+    rows8 = torch.arange(n, dtype=torch.int32, device=dev)
+    gemvs = {"awq": lambda x: cuda_gemv.awq_gemv(x, qweight, qzeros, scales, 128),
+             "fp8": lambda x: cuda_gemv.fp8_gemv(x, w8, s8, rows8, k)}
+    x = torch.zeros(1, k, dtype=torch.half, device=dev)
+
+    def stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    try:
+        for name, gemv in gemvs.items():
+            monkeypatch.setenv(PDL_SWITCH, "0")
+            expected = {}
+            for v in (1.0, 2.0, 3.0):
+                writer.early_writer(x, v, 0, stream())
+                torch.cuda.synchronize()
+                expected[v] = gemv(x).clone()
+            assert expected[1.0].abs().max() > 0, name
+            monkeypatch.setenv(PDL_SWITCH, "1")
+            runs = []
+            for i in range(50):
+                v = (1.0, 2.0, 3.0)[i % 3]
+                x.zero_()
+                writer.early_writer(x, v, CYCLES, stream())
+                runs.append((v, gemv(x), gemv(x)))
+            torch.cuda.synchronize()
+            for v, first, second in runs:
+                assert torch.equal(first, expected[v]) and torch.equal(second, expected[v]), name
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                writer.early_writer(x, 3.0, CYCLES, stream())
+                first, second = gemv(x), gemv(x)
+            for _ in range(20):
+                x.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(first, expected[3.0]), name
+                assert torch.equal(second, expected[3.0]), name
+            assert not tg._COUNTERS[dev].any(), name
+    finally:
+        cuda_gemv._extension.cache_clear()
