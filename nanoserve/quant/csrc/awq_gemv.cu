@@ -161,8 +161,9 @@ __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
     sums[m] = t;
   }
   __syncthreads();
-  gemv::finish(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
-               p.counters);
+  static_assert(OUTS % THREADS == 0, "finish: OUTS / THREADS outputs a thread");
+  gemv::finish<OUTS / THREADS, 16>(sums, OUTS, blockIdx.x * OUTS, p.n,
+                                   static_cast<XT*>(p.y), p.partials, p.counters);
 }
 
 template <typename XT, typename ST>

@@ -98,8 +98,11 @@ __global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
   __shared__ float sums[OUTS];
   if (col == 0) sums[slot] = acc;
   __syncthreads();
-  gemv::finish(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
-               p.counters);
+  static_assert(OUTS <= THREADS, "finish: an output a thread");
+  // 4 splits a batch: 8 or 16 spilled at 64 registers (nvcc 13); FP8's splits are few (4 for
+  // Qwen3-8B's o and down on an H100)
+  gemv::finish<1, 4>(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
+                     p.counters);
 }
 
 template <typename XT>

@@ -12,11 +12,13 @@ namespace gemv {
 using one_row::store;
 
 // `sums` (shared memory, every thread's writes to it done and synchronized): the CTA's sums for
-// outputs first .. first + count - 1 (those below n exist). One split: stored to y. Several:
-// written to partials[blockIdx.y] ([splits, n] float32), and the last CTA of slice blockIdx.x
-// (counters[blockIdx.x] counts them; zero between launches, put back to zero by that CTA) adds
-// the splits' parts in order into y. Every thread of the CTA calls it.
-template <typename YT>
+// outputs first .. first + count - 1 (those below n exist), count at most PER_THREAD a thread.
+// One split: stored to y. Several: written to partials[blockIdx.y] ([splits, n] float32), and
+// the last CTA of slice blockIdx.x (counters[blockIdx.x] counts them; zero between launches,
+// put back to zero by that CTA) adds the splits' parts in order into y, its loads issued
+// BATCH splits at a time for all of a thread's outputs (a load the add waits for, each in
+// turn, cost an L2 round trip a split: about 2 us at 32 splits). Every thread calls it.
+template <int PER_THREAD, int BATCH, typename YT>
 __device__ void finish(const float* sums, int count, int first, int n, YT* y, float* partials,
                        int32_t* counters) {
   if (gridDim.y == 1) {
@@ -34,13 +36,35 @@ __device__ void finish(const float* sums, int count, int first, int n, YT* y, fl
   __syncthreads();
   if (!last) return;
   __threadfence();  // the other CTAs' parts, counted, are visible to this one
-  for (int m = threadIdx.x; m < count; m += blockDim.x) {
-    if (first + m >= n) continue;
-    float t = 0.f;
-    for (int s = 0; s < static_cast<int>(gridDim.y); ++s)
-      t += __ldcg(partials + static_cast<size_t>(s) * n + first + m);
-    store(y + first + m, t);
+  const int splits = static_cast<int>(gridDim.y);
+  float t[PER_THREAD];
+  bool mine[PER_THREAD];
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int m = threadIdx.x + j * static_cast<int>(blockDim.x);
+    mine[j] = m < count && first + m < n;
+    t[j] = 0.f;
   }
+  for (int s0 = 0; s0 < splits; s0 += BATCH) {
+    float v[PER_THREAD][BATCH];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const float* at = partials + first + threadIdx.x + j * blockDim.x;
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b)
+        v[j][b] = mine[j] && s0 + b < splits ? __ldcg(at + static_cast<size_t>(s0 + b) * n)
+                                             : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b)
+        if (s0 + b < splits) t[j] += v[j][b];  // in split order, as one loop over s would
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j)
+    if (mine[j]) store(y + first + threadIdx.x + j * blockDim.x, t[j]);
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
