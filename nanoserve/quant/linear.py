@@ -114,12 +114,11 @@ class QuantizedLinear(nn.Module):
             return None
         args = self._kernel_args()
         x = x.contiguous()
-        y = None
         if args is not None and x.shape[0] == 1:
             from nanoserve.quant import cuda_gemv
             y = cuda_gemv.one_row(x, args)
-        if y is not None:
-            return y if self.bias is None else y + self.bias
+            if y is not None:
+                return y if self.bias is None else y + self.bias
         if args is None or not triton_gemm.supports(
                 x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
                 args.get("group", 128)):
