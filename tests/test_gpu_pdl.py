@@ -105,6 +105,6 @@ def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, 
                 torch.cuda.synchronize()
                 assert torch.equal(first, expected[3.0]), name
                 assert torch.equal(second, expected[3.0]), name
-            assert not tg._COUNTERS[dev].any(), name
+            assert not tg._COUNTERS[x.device].any(), name
     finally:
         cuda_gemv._extension.cache_clear()

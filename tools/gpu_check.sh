@@ -185,6 +185,7 @@ for w in $what; do
       echo "=== started ${BG_STEPS:-onem} in the background" ;;
     follow)  # waits at most FOLLOW_S seconds (default 540) for `bg`'s job, then its log's tail
              # and its files in OUT, finished or not
+      for _ in 1 2 3 4 5; do [ -f /tmp/bg/log ] && break; sleep 1; done  # `bg` just started it
       if [ ! -f /tmp/bg/log ]; then echo "=== no background job on this machine"; continue; fi
       end=$((SECONDS + ${FOLLOW_S:-540}))
       while [ ! -f /tmp/bg/rc ] && [ $SECONDS -lt $end ]; do sleep 5; done
