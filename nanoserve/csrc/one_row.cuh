@@ -1,6 +1,6 @@
 // What the one-row CUDA kernels share (quant/csrc/awq_gemv.cu, fp8_gemv.cu; models/csrc/
-// moe_gemv.cu): a streaming 16-byte load, asynchronous copies to shared memory, conversions
-// between 16-bit floats and float, and programmatic dependent launch.
+// moe_gemv.cu): a streaming 16-byte load, conversions between 16-bit floats and float, and
+// programmatic dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,24 +26,6 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
 // the 128-byte line holding p fetched into L2, nothing waited for
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// 16 bytes from global memory to shared memory, asynchronously (sm_80 and later), through L2
-// only (coherent: after pdl_wait it may read what the kernel ahead wrote). cp_async_commit()
-// closes this thread's group of copies issued since the last; cp_async_wait<N>() returns when
-// at most N of its groups are still in flight (its own copies: other threads' need a barrier)
-__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(global)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

@@ -29,10 +29,8 @@ AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
 FP8_STEP = 128  # inputs a quarter warp reads a step; scale blocks must not cross one
 # CTAs an SM that a K split aims at (all resident at once; the kernels' launch bounds hold them
-# to it): 128 threads a CTA, AWQ's at 123-128 registers a thread, FP8's at 61-64 (nvcc 13); AWQ's
-# also by shared memory, up to AWQ_SMEM bytes a CTA (group 32's stages; 1 KB more the system's)
+# to it): 128 threads a CTA, AWQ's at 118-128 registers a thread, FP8's at 61-64 (nvcc 13)
 AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 4, 8
-AWQ_SMEM = 43_536
 MAX_SPLITS = 32  # beyond this the last CTA's in-order sum of the parts costs more than it saves
 HALF = (torch.bfloat16, torch.float16)
 
@@ -57,14 +55,6 @@ def _num_sms(index: int) -> int:
 
 
 @cache
-def _awq_ctas_per_sm(index: int) -> int:
-    """AWQ_CTAS_PER_SM, or fewer where the SM's shared memory holds fewer (an A100's 164 KB:
-    3; an sm_86/89's 100 KB: 2)."""
-    smem = torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor
-    return max(1, min(AWQ_CTAS_PER_SM, smem // (AWQ_SMEM + 1024)))
-
-
-@cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -81,16 +71,15 @@ def awq_shape_ok(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: 
                  group: int) -> bool:
     """Whether the AWQ kernel takes one row x [1, K] against qweight w [K, N / 8], qzeros
     [K / group, N / 8] and scales [K / group, N]: half-precision x and scales, a group it is
-    built for, N a multiple of 32, contiguous 16-byte aligned tensors (it copies 16 bytes at a
-    time). Checks no device."""
+    built for, N a multiple of 32, contiguous 16-byte aligned tensors (it reads 16 bytes a
+    lane). Checks no device."""
     k, n = w.shape[0], scales.shape[-1]
     return (k > 0 and n > 0 and _together(x, w, zeros, scales) and
             x.dim() == 2 and x.shape == (1, k) and x.dtype in HALF and scales.dtype in HALF and
             w.dtype == zeros.dtype == torch.int32 and group in AWQ_GROUPS and k % group == 0 and
             n % 32 == 0 and w.shape[1] * 8 == n and zeros.shape == (k // group, n // 8) and
             scales.shape == (k // group, n) and
-            all(t.is_contiguous() for t in (x, w, zeros, scales)) and
-            _aligned(x, w, zeros, scales))
+            all(t.is_contiguous() for t in (x, w, zeros, scales)) and _aligned(w, zeros, scales))
 
 
 def fp8_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
@@ -147,7 +136,7 @@ def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torc
     dtype. See awq_shape_ok; `splits` as one_row's."""
     k, n = w.shape[0], scales.shape[-1]
     slices = -(-n // AWQ_OUTS)
-    split = _split(splits, slices, k // group, _awq_ctas_per_sm(x.device.index or 0), x)
+    split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, x)
     return _launch("awq_gemv", x, n, slices, split, w, zeros, scales, group=group)
 
 

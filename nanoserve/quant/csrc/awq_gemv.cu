@@ -9,11 +9,9 @@
 // A CTA owns 256 outputs (32 words of a row: 8 lanes x 16 bytes) over `rows` inputs. Each
 // quarter warp reads one contiguous 128-byte row segment a step, the form of copy that reads at
 // the device's rate (docs/perf-notes.md, session 25: lanes scattered over rows read at 3.2 TB/s,
-// whole rows at 4.4), a warp 4 rows, the CTA 16 consecutive rows. A group's weights, scales,
-// zeros and x go to shared memory by cp.async, about 16 KB of weights a CTA in flight ahead of
-// the group being summed (a group's loads held in registers, at 128 a thread, kept only about 4
-// of a thread's 8 in flight, and its scales were a second round trip after its sum: session 28,
-// 1.5-3.6x the bytes' floor on an H200).
+// whole rows at 4.4), a warp 4 rows, the CTA 16 consecutive rows. A thread's rows of one group
+// are loaded together, then used (at 128 registers ptxas keeps about 4 of a group's 8 loads in
+// flight at once).
 //
 // Nibbles i and i + 4 of a word (outputs 2 i and 2 i + 1) become two floats in two bit
 // operations: (w >> 4 i) & 0x000F000F | 0x43004300 holds two bf16 128 + q, and a bf16's bits in
@@ -23,8 +21,8 @@
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
 // divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
-// launch (p.pdl), a CTA starts copying its first groups' weights, scales and zeros before it
-// waits for the kernel ahead of it (x is that kernel's output: copied after the wait).
+// launch (p.pdl), a CTA fetches its first group's weight rows into L2 before it waits for the
+// kernel ahead of it (x is that kernel's output).
 #include "awq_gemv.h"
 #include "gemv_split.cuh"
 
@@ -35,6 +33,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int OUTS = 256;             // outputs a CTA owns
 constexpr int ROW_SLOTS = WARPS * 4;  // rows the CTA reads a step, one a quarter warp
 
+using one_row::load_stream;
 using one_row::to_float;
 
 // 16-bit value e of the words' halves (low half first), as a float
@@ -58,128 +57,83 @@ __device__ __forceinline__ float nibble_plus_128(uint32_t w, int shift) {
   return __uint_as_float((((w >> shift) & 0xFu) | 0x4300u) << 16);
 }
 
-// One group's operands in shared memory, as cp.async put them: thread t's 16 bytes of step s's
-// row at q[s][t] (each thread reads back only its own), the slice's scales and zeros of the
-// group, and the group's x.
-template <typename XT, int STEPS>
-struct Stage {
-  static constexpr int GROUP = STEPS * ROW_SLOTS;
-  uint4 q[STEPS][THREADS];
-  uint4 scales[OUTS / 8];      // 8 16-bit scales a chunk
-  uint4 zeros[OUTS / 32];      // 4 words (32 outputs) a chunk
-  uint4 x[GROUP * 2 / 16];     // 8 inputs a chunk
-  static_assert(THREADS >= OUTS / 8 + OUTS / 32 + GROUP * 2 / 16, "a chunk a thread at most");
-};
-
-
 template <typename XT, typename ST, int STEPS>
 __global__ void __launch_bounds__(THREADS, 4) awq_gemv_kernel(AwqGemvParams p) {
-  using StageT = Stage<XT, STEPS>;
-  constexpr int GROUP = StageT::GROUP;
-  // groups in flight a CTA: about 16 KB of weights ahead of the one being summed (4 CTAs an SM,
-  // each under 48 KB of static shared memory)
-  constexpr int STAGES = 16 / STEPS;
-  __shared__ StageT stage[STAGES];
+  constexpr int GROUP = STEPS * ROW_SLOTS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = warp * 4 + (lane >> 3);  // this thread's row within a step
   const int col = lane & 7;                 // its 16 bytes of the slice's 128 a row
   const int words = p.n / 8;
   const int word0 = blockIdx.x * (OUTS / 8) + col * 4;
   const bool live = word0 < words;  // n % 32 == 0: a live thread's 4 words all exist
-  const int groups = p.k / GROUP;  // this CTA's: [g_begin, g_begin + count)
+  const int groups = p.k / GROUP;  // this CTA's: [g_begin, g_end)
   const int g_begin = blockIdx.y * groups / gridDim.y;
-  const int count = (blockIdx.y + 1) * groups / gridDim.y - g_begin;
-  const uint32_t* w = p.qweight + static_cast<size_t>(g_begin * GROUP + slot) * words + word0;
-  // the chunk of scales, zeros or x this thread copies, if any (threads 0-31, 32-39, 40-55)
-  const int tid = threadIdx.x;
-  const int scale_at = blockIdx.x * OUTS + tid * 8;
-  const int zero_at = blockIdx.x * (OUTS / 8) + (tid - 32) * 4;
-  const bool copies_scales = tid < OUTS / 8 && scale_at < p.n;
-  const bool copies_zeros = tid >= 32 && tid < 32 + OUTS / 32 && zero_at < words;
-  const int x_chunk = tid - 40;
-  const bool copies_x = x_chunk >= 0 && x_chunk < GROUP * 2 / 16;
-
-  // the weights, scales and zeros of group i into stage i % STAGES (before pdl_wait: no kernel
-  // writes them)
-  auto copy_weights = [&](int i) {
-    StageT& st = stage[i % STAGES];
-    if (live) {
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s)
-        one_row::cp_async16(&st.q[s][tid],
-                            w + static_cast<size_t>(i * GROUP + s * ROW_SLOTS) * words);
-    }
-    const size_t g = static_cast<size_t>(g_begin + i);
-    if (copies_scales)
-      one_row::cp_async16(&st.scales[tid], static_cast<const ST*>(p.scales) + g * p.n + scale_at);
-    if (copies_zeros) one_row::cp_async16(&st.zeros[tid - 32], p.qzeros + g * words + zero_at);
-  };
-  // group i's x (after pdl_wait: the kernel ahead's output)
-  auto copy_x = [&](int i) {
-    if (copies_x)
-      one_row::cp_async16(&stage[i % STAGES].x[x_chunk],
-                          static_cast<const XT*>(p.x) + (g_begin + i) * GROUP + x_chunk * 8);
-  };
-
-  for (int i = 0; i < STAGES - 1; ++i)
-    if (i < count) copy_weights(i);
-  one_row::pdl_wait();
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) copy_x(i);
-    one_row::cp_async_commit();
-  }
-
+  const int rows = ((blockIdx.y + 1) * groups / gridDim.y - g_begin) * GROUP;
+  const int k_begin = g_begin * GROUP;
+  const uint32_t magic = 0x43004300u;
+  const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
+  const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
   float out[32];
 #pragma unroll
   for (int o = 0; o < 32; ++o) out[o] = 0.f;
-  const uint32_t magic = 0x43004300u;
-  for (int i = 0; i < count; ++i) {
-    one_row::cp_async_wait<STAGES - 2>();  // group i's copies, this thread's
-    __syncthreads();  // everyone's; and everyone done with group i - 1, whose stage is refilled
-    if (i + STAGES - 1 < count) {
-      copy_weights(i + STAGES - 1);
-      copy_x(i + STAGES - 1);
+  // lane col of a quarter warp: its row's 128-byte slice in step col of the first group (two
+  // lines where the slice straddles them: rows are n / 2 bytes apart)
+  if (live && col < STEPS) {
+    const uint32_t* slice = w - col * 4 + static_cast<size_t>(col * ROW_SLOTS) * words;
+    one_row::prefetch_l2(slice);
+    one_row::prefetch_l2(slice + 31);
+  }
+  one_row::pdl_wait();
+
+  for (int g0 = 0; g0 < rows; g0 += GROUP) {
+    uint4 q[STEPS];
+    float xv[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const size_t row = static_cast<size_t>(g0 + s * ROW_SLOTS);
+      q[s] = live ? load_stream(w + row * words) : make_uint4(0, 0, 0, 0);
+      xv[s] = to_float(x[row]);
     }
-    one_row::cp_async_commit();
-    const StageT& st = stage[i % STAGES];
-    const XT* xs = reinterpret_cast<const XT*>(st.x);
     float acc[32];
 #pragma unroll
     for (int o = 0; o < 32; ++o) acc[o] = 0.f;
     float x_sum = 0.f;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      const float xv = to_float(xs[s * ROW_SLOTS + slot]);
-      x_sum += xv;
-      const uint4 q = st.q[s][tid];
-      const uint32_t ws[4] = {q.x, q.y, q.z, q.w};
+      x_sum += xv[s];
+      const uint32_t ws[4] = {q[s].x, q[s].y, q[s].z, q[s].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const uint32_t v = two_nibbles(ws[j] >> (4 * b), magic);
-          acc[8 * j + 2 * b] = fmaf(xv, __uint_as_float(v << 16), acc[8 * j + 2 * b]);
-          acc[8 * j + 2 * b + 1] =
-              fmaf(xv, __uint_as_float(v & 0xFFFF0000u), acc[8 * j + 2 * b + 1]);
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t v = two_nibbles(ws[j] >> (4 * i), magic);
+          acc[8 * j + 2 * i] = fmaf(xv[s], __uint_as_float(v << 16), acc[8 * j + 2 * i]);
+          acc[8 * j + 2 * i + 1] =
+              fmaf(xv[s], __uint_as_float(v & 0xFFFF0000u), acc[8 * j + 2 * i + 1]);
         }
       }
     }
-    // this thread's 32 scales (outputs col * 32 ...), two a word, and their zeros
-    uint32_t sw[16];
+    if (live) {
+      const int g = (k_begin + g0) / GROUP;
+      const uint4 zq = *reinterpret_cast<const uint4*>(p.qzeros + static_cast<size_t>(g) * words +
+                                                       word0);
+      const uint4* sp = reinterpret_cast<const uint4*>(static_cast<const ST*>(p.scales) +
+                                                       static_cast<size_t>(g) * p.n + word0 * 8);
+      uint32_t sw[16];  // the 32 scales, two a word
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint4 v = st.scales[col * 4 + j];
-      sw[4 * j] = v.x, sw[4 * j + 1] = v.y, sw[4 * j + 2] = v.z, sw[4 * j + 3] = v.w;
-    }
-    const uint4 zq = st.zeros[col];
-    const uint32_t zs[4] = {zq.x, zq.y, zq.z, zq.w};
+      for (int j = 0; j < 4; ++j) {
+        const uint4 v = sp[j];
+        sw[4 * j] = v.x, sw[4 * j + 1] = v.y, sw[4 * j + 2] = v.z, sw[4 * j + 3] = v.w;
+      }
+      const uint32_t zs[4] = {zq.x, zq.y, zq.z, zq.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const float z = nibble_plus_128(zs[j], (c & 1) * 16 + (c >> 1) * 4);
-        const float s = half_at(sw, 8 * j + c, ST{});
-        out[8 * j + c] = fmaf(s, fmaf(-z, x_sum, acc[8 * j + c]), out[8 * j + c]);
+        for (int c = 0; c < 8; ++c) {
+          const float z = nibble_plus_128(zs[j], (c & 1) * 16 + (c >> 1) * 4);
+          const float s = half_at(sw, 8 * j + c, ST{});
+          out[8 * j + c] = fmaf(s, fmaf(-z, x_sum, acc[8 * j + c]), out[8 * j + c]);
+        }
       }
     }
   }
