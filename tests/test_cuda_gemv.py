@@ -93,7 +93,7 @@ def test_the_shapes_each_kernel_takes():
 
 @pytest.mark.parametrize("sms", [1, 78, 114, 132, 142])
 def test_the_split_keeps_every_cta_resident(sms):
-    """num_splits: at most a unit (a group, a step) a CTA, MAX_SPLITS, and the CTAs that stay
+    """num_splits: at most a unit (a group, a step) a CTA, SPLITS_CAP, and the CTAs that stay
     resident over all slices, at least one, the most of those; Qwen3-8B's AWQ layers on 132
     SMs as the docstring says."""
     for slices, units, per_sm in ((16, 32, 4), (24, 32, 4), (96, 32, 4), (16, 96, 4),
@@ -101,12 +101,12 @@ def test_the_split_keeps_every_cta_resident(sms):
                                   (1, 224, 8), (16, 86, 4)):
         resident = per_sm * sms
         d = cuda_gemv.num_splits(slices, units, resident)
-        assert 1 <= d <= min(units, cuda_gemv.MAX_SPLITS)
+        assert 1 <= d <= min(units, cuda_gemv.SPLITS_CAP)
         assert d == 1 or slices * d <= resident
-        assert d == min(units, cuda_gemv.MAX_SPLITS) or slices * (d + 1) > resident
+        assert d == min(units, cuda_gemv.SPLITS_CAP) or slices * (d + 1) > resident
     if sms == 132:
-        assert [cuda_gemv.num_splits(s, g, 4 * 132) for s, g in
-                ((16, 32), (24, 32), (96, 32), (16, 96))] == [32, 22, 5, 32]
+        assert [cuda_gemv.num_splits(s, g, cuda_gemv.AWQ_CTAS_PER_SM * 132) for s, g in
+                ((16, 32), (24, 32), (96, 32), (16, 96))] == [16, 16, 4, 16]
 
 
 def test_a_split_asked_for_is_held_to_a_unit_a_cta_and_max_splits(monkeypatch):
@@ -114,7 +114,8 @@ def test_a_split_asked_for_is_held_to_a_unit_a_cta_and_max_splits(monkeypatch):
     which is held to 1..min(units, MAX_SPLITS)."""
     monkeypatch.setattr(cuda_gemv, "_num_sms", lambda index: 132)
     x = torch.zeros(1, 8)
-    assert cuda_gemv._split(None, 24, 32, 4, x) == 22
+    assert cuda_gemv._split(None, 24, 32, 4, x) == cuda_gemv.SPLITS_CAP == 16
+    assert cuda_gemv._split(None, 96, 32, 4, x) == 5
     assert cuda_gemv._split(8, 24, 32, 4, x) == 8
     assert cuda_gemv._split(64, 24, 96, 4, x) == cuda_gemv.MAX_SPLITS
     assert cuda_gemv._split(16, 24, 5, 4, x) == 5

@@ -177,7 +177,7 @@ def one_row_cuda(request, monkeypatch):
 
 
 def _one_row_cases(call, x, ref, monkeypatch, label):
-    """call(x) through the CUDA one-row kernel at 1 to 32 K splits: within 2^-8 of ref's
+    """call(x) through the CUDA one-row kernel at 1 to 16 K splits: within 2^-8 of ref's
     largest output, the same bit for bit on a second run, the split counters back at zero; a
     CUDA graph of it replayed on new rows gives what an eager call gives, its x written by the
     kernel ahead of it and two calls back to back (with programmatic dependent launch the GEMV

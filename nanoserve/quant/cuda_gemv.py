@@ -28,10 +28,15 @@ CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
 FP8_STEP = 128  # inputs a quarter warp reads a step; scale blocks must not cross one
-# CTAs an SM that a K split aims at (all resident at once; the kernels' launch bounds hold them
-# to it): 128 threads a CTA, AWQ's at 118-128 registers a thread, FP8's at 61-64 (nvcc 13)
-AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 4, 8
-MAX_SPLITS = 32  # beyond this the last CTA's in-order sum of the parts costs more than it saves
+# CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, FP8's at 61-64
+# registers a thread (8 an SM), AWQ's at 118-128 (4 an SM; 3 measured faster, below)
+AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 3, 8
+MAX_SPLITS = 32  # the most a split may be asked for (tools/bench_quant.py --splits)
+# num_splits' cap. Measured on an H100 (session 28, Qwen3-8B-AWQ's layers, us at 8 / 16 / 24 /
+# 32 splits): qkv 13.5 / 11.8 / 16.3 / 15.7, o 11.9 / 9.8 / 11.6 / 11.4, down 26.7 / 18.6 / 18.3 /
+# 18.4; gate_up 28.3 at 4 (3 an SM) against 29.9 at 5 (4 an SM). Batch-1 TPOT 5.09-5.10 ms
+# against 5.24-5.26 (16 and 4 an SM against 32 and 4)
+SPLITS_CAP = 16
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -102,10 +107,10 @@ def fp8_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
 def num_splits(slices: int, units: int, resident: int) -> int:
     """CTAs a slice of outputs' K is split over, each a run of whole units (AWQ's groups, FP8's
     128-input steps; runs differ by at most one unit): as many as keep every CTA of the launch
-    resident at once (`resident` CTAs), at most `units` and MAX_SPLITS, at least one. Qwen3-8B
-    in AWQ on 132 SMs (528 resident): o (16 slices, 32 groups) 32; qkv (24, 32) 22; gate_up
-    (96, 32) 5; down (16, 96) 32."""
-    return max(1, min(units, MAX_SPLITS, resident // slices))
+    resident at once (`resident` CTAs), at most `units` and SPLITS_CAP, at least one. Qwen3-8B
+    in AWQ on 132 SMs (396 resident): o (16 slices, 32 groups) 16; qkv (24, 32) 16; gate_up
+    (96, 32) 4; down (16, 96) 16."""
+    return max(1, min(units, SPLITS_CAP, resident // slices))
 
 
 def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Tensor | None:
