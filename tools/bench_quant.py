@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +50,17 @@ def graph_time_us(calls: list, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def copy_rate_gbs() -> float:
-    """The device's memory rate: a 1 GiB copy's bytes read and written over its time."""
+def copy_rate_gbs(warm_s: float = 0.5) -> float:
+    """The device's memory rate: a 1 GiB copy's bytes read and written over its time, after
+    warm_s seconds of copies. Timed at once, as the process's first GPU work, it gave 2.4 TB/s
+    on an H100 and 2.75 on an H200 where bench_offload.py's ceilings (measured after loading a
+    model) gave 2.95 and 4.2 (session 28): the clocks still coming up from idle, presumably."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
+    end = time.perf_counter() + warm_s
+    while time.perf_counter() < end:
+        b.copy_(a)
+        torch.cuda.synchronize()
     return 2 * a.numel() / graph_time_us([lambda: b.copy_(a)] * 4) / 1e3
 
 
