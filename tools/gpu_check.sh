@@ -221,12 +221,14 @@ for w in $what; do
           | sed "s/^/cuda=$flag /" | tee -a "$OUT/bench_moe1.log"
       done ;;
     gemvncu)  # issue 36: Nsight Compute on the one-row GEMVs (tools/probes/gemv_once.py):
-              # duration, DRAM and L2 throughput, occupancy, warp stalls (Firecracker machines:
-              # gVisor's ncu reads no counters)
+              # duration, DRAM and L2 throughput, occupancy, warp stalls, issue slots and
+              # instructions (bytes or issue bound?); Firecracker machines: gVisor's ncu reads
+              # no counters
       run ncu --clock-control none -k regex:gemv_kernel --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats python3 tools/probes/gemv_once.py \
-        2>&1 | tee "$OUT/gemv_ncu.log" | grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers|Waves|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|==ERROR" \
+        --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        --section InstructionStats python3 tools/probes/gemv_once.py 2>&1 \
+        | tee "$OUT/gemv_ncu.log" | grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers|Waves|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc|Issue Slots Busy|Executed Instructions |==ERROR" \
         | head -150 ;;
     onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
                  # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine
