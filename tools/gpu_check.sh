@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -230,6 +230,9 @@ for w in $what; do
         --section InstructionStats python3 tools/probes/gemv_once.py 2>&1 \
         | tee "$OUT/gemv_ncu.log" | grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers|Waves|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc|Issue Slots Busy|Executed Instructions |==ERROR" \
         | head -150 ;;
+    gemvstages)  # issue 36: each one-row GEMV beside kernels that only read its bytes (its own
+                 # pattern, and contiguous runs): arithmetic or access pattern? (about a minute)
+      run python3 tools/probes/gemv_stages.py 2>&1 | grep -v "it/s" | tee "$OUT/gemv_stages.log" ;;
     onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
                  # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine
       for m in ${ONEROW_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do

@@ -1,0 +1,209 @@
+"""What bounds a one-row GEMV (issue 36), by leaving its arithmetic out: for each of Qwen3-8B's
+layers, the engine's CUDA GEMV (quant/cuda_gemv.py, AWQ and FP8) beside kernels that only read
+the same bytes, with the same grid, K split and per-thread loads (the GEMV's access pattern
+with no sums), and with the same grid reading each CTA's share as one contiguous run (the
+pattern a repacked weight would allow). GEMV far above its own read: the arithmetic is not
+hidden behind the loads. Its own read far above the contiguous one: the pattern costs.
+In CUDA graphs, cycling over enough copies of the weight that none stays in L2. Usage (GPU):
+    python tools/probes/gemv_stages.py [--shapes qkv,o,gate_up,down]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's shapes and timing
+from bench_quant import SHAPES, SPAN, copy_rate_gbs, graph_time_us, weights  # noqa: E402
+
+from nanoserve.quant import cuda_gemv  # noqa: E402
+
+CUDA = r"""
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+#include <cstdint>
+
+namespace {
+
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+// awq_gemv.cu's loads alone: a CTA 256 outputs (128 bytes a row), 16 rows a step, a group's 8
+// steps loaded together, then its zeros (16 bytes) and scales (64 bytes) a thread
+__global__ void __launch_bounds__(128, 4) awq_read(const uint32_t* qweight, const uint32_t* qzeros,
+                                                   const uint16_t* scales, int n, int k,
+                                                   uint32_t* sink) {
+  constexpr int GROUP = 128, STEPS = 8, SLOTS = 16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slot = warp * 4 + (lane >> 3), col = lane & 7;
+  const int words = n / 8, word0 = blockIdx.x * 32 + col * 4;
+  if (word0 >= words) return;
+  const int groups = k / GROUP;
+  const int g_begin = blockIdx.y * groups / gridDim.y;
+  const int g_end = (blockIdx.y + 1) * groups / gridDim.y;
+  uint32_t acc = 0;
+  for (int g = g_begin; g < g_end; ++g) {
+    uint4 q[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s)
+      q[s] = load_stream(qweight + static_cast<size_t>(g * GROUP + s * SLOTS + slot) * words +
+                         word0);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) acc ^= fold(q[s]);
+    acc ^= fold(load_stream(qzeros + static_cast<size_t>(g) * words + word0));
+    const uint16_t* sp = scales + static_cast<size_t>(g) * n + word0 * 8;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc ^= fold(load_stream(sp + 8 * j));
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads
+}
+
+// fp8_gemv.cu's loads alone: a CTA 16 outputs, a quarter warp one output's row, 8 steps of
+// 128 bytes loaded together
+__global__ void __launch_bounds__(128, 8) fp8_read(const uint8_t* w, int n, int k,
+                                                   uint32_t* sink) {
+  constexpr int STEP = 128, STEPS = 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.x * 16 + warp * 4 + (lane >> 3), col = lane & 7;
+  if (row >= n) return;
+  const int steps = k / STEP;
+  const int s_begin = blockIdx.y * steps / gridDim.y;
+  const int rows = ((blockIdx.y + 1) * steps / gridDim.y - s_begin) * STEP;
+  const uint8_t* at = w + static_cast<size_t>(row) * k + s_begin * STEP + col * 16;
+  uint32_t acc = 0;
+  for (int k0 = 0; k0 < rows; k0 += STEPS * STEP) {
+    uint4 q[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s)
+      q[s] = k0 + s * STEP < rows ? load_stream(at + k0 + s * STEP) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) acc ^= fold(q[s]);
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+
+// each CTA of a grid reads `per_cta` bytes (a multiple of 2 KB) as one contiguous run, 8 loads
+// of 16 bytes a thread in flight at once
+template <int CTAS_PER_SM>
+__global__ void __launch_bounds__(128, CTAS_PER_SM) contiguous_read(const uint8_t* base,
+                                                                   long per_cta, uint32_t* sink) {
+  const size_t cta = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const uint8_t* at = base + cta * per_cta + threadIdx.x * 16;
+  uint32_t acc = 0;
+  for (long off = 0; off < per_cta; off += 8 * 2048) {
+    uint4 q[8];
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      q[s] = off + s * 2048 < per_cta ? load_stream(at + off + s * 2048) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) acc ^= fold(q[s]);
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+
+}  // namespace
+
+void awq_read_launch(torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
+                     int64_t splits, torch::Tensor sink) {
+  const int n = static_cast<int>(scales.size(1)), k = static_cast<int>(qweight.size(0));
+  awq_read<<<dim3((n + 255) / 256, splits), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const uint32_t*>(qweight.data_ptr()),
+      static_cast<const uint32_t*>(qzeros.data_ptr()),
+      static_cast<const uint16_t*>(scales.data_ptr()), n, k,
+      static_cast<uint32_t*>(sink.data_ptr()));
+}
+
+void fp8_read_launch(torch::Tensor w, int64_t splits, torch::Tensor sink) {
+  const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
+  fp8_read<<<dim3((n + 15) / 16, splits), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const uint8_t*>(w.data_ptr()), n, k, static_cast<uint32_t*>(sink.data_ptr()));
+}
+
+void contiguous_read_launch(torch::Tensor base, int64_t ctas_x, int64_t ctas_y, int64_t per_cta,
+                            int64_t ctas_per_sm, torch::Tensor sink) {
+  const dim3 grid(ctas_x, ctas_y);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* p = static_cast<const uint8_t*>(base.data_ptr());
+  auto* s = static_cast<uint32_t*>(sink.data_ptr());
+  if (ctas_per_sm >= 8)
+    contiguous_read<8><<<grid, 128, 0, stream>>>(p, per_cta, s);
+  else
+    contiguous_read<4><<<grid, 128, 0, stream>>>(p, per_cta, s);
+}
+"""
+CPP = """
+void awq_read_launch(torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
+                     int64_t splits, torch::Tensor sink);
+void fp8_read_launch(torch::Tensor w, int64_t splits, torch::Tensor sink);
+void contiguous_read_launch(torch::Tensor base, int64_t ctas_x, int64_t ctas_y, int64_t per_cta,
+                            int64_t ctas_per_sm, torch::Tensor sink);
+"""
+
+
+def splits_of(fmt: str, n: int, k: int) -> tuple[int, int, int]:
+    """The engine's grid for this weight: (slices, K splits, CTAs an SM aimed at)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if fmt == "awq":
+        slices, units, per_sm = -(-n // cuda_gemv.AWQ_OUTS), k // 128, cuda_gemv.AWQ_CTAS_PER_SM
+    else:
+        slices, units, per_sm = -(-n // cuda_gemv.FP8_OUTS), k // cuda_gemv.FP8_STEP, \
+            cuda_gemv.FP8_CTAS_PER_SM
+    return slices, cuda_gemv.num_splits(slices, units, per_sm * sms), per_sm
+
+
+def time_layer(ext, fmt: str, name: str, rate: float, sink: torch.Tensor) -> str:
+    """One layer's line: its floor, the GEMV, its reads alone, the contiguous reads (us)."""
+    n, k = SHAPES[name]
+    one, nbytes = weights(fmt, n, k)
+    copies = [one] + [weights(fmt, n, k)[0] for _ in range(max(0, SPAN // nbytes - 1))]
+    slices, split, per_sm = splits_of(fmt, n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    gemv = graph_time_us([partial(cuda_gemv.one_row, x, a) for a in copies])
+    if fmt == "awq":
+        reads = [partial(ext.awq_read_launch, a["w"], a["zeros"], a["scales"], split, sink)
+                 for a in copies]
+    else:
+        reads = [partial(ext.fp8_read_launch, a["w"], split, sink) for a in copies]
+    own = graph_time_us(reads)
+    wbytes = one["w"].numel() * one["w"].element_size()
+    per_cta = max(2048, wbytes // (slices * split) // 2048 * 2048)
+    contiguous = graph_time_us([partial(ext.contiguous_read_launch, a["w"], slices, split,
+                                        per_cta, per_sm, sink) for a in copies])
+    floor = nbytes / rate / 1e3
+    return (f"{fmt:6s} {name:8s} {nbytes / 1e6:6.1f} {slices:4d}x{split:<3d} {floor:9.1f} "
+            f"{gemv:9.1f} {own:11.1f} {contiguous:12.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="awq,fp8")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if not cuda_gemv.load():
+        sys.exit("the one-row CUDA kernels did not build here")
+    ext = load_inline("nanoserve_probe_gemv_stages", cpp_sources=CPP, cuda_sources=CUDA,
+                      functions=["awq_read_launch", "fp8_read_launch", "contiguous_read_launch"],
+                      extra_cuda_cflags=["-O3"])
+    rate = copy_rate_gbs()
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s (warmed)")
+    print("format layer      MB   grid      floor us   GEMV us   its reads   contiguous")
+    for fmt in args.formats.split(","):
+        for name in args.shapes.split(","):
+            print(time_layer(ext, fmt, name, rate, sink), flush=True)
+
+
+if __name__ == "__main__":
+    main()
