@@ -177,21 +177,26 @@ def one_row_cuda(request, monkeypatch):
 
 
 def _one_row_cases(call, x, ref, monkeypatch, label):
-    """call(x) through the CUDA one-row kernel at 1 to 16 K splits: within 2^-8 of ref's
-    largest output, the same bit for bit on a second run, the split counters back at zero; a
+    """call(x) through the CUDA one-row kernel at 1 to 16 K splits (num_splits' choices), and
+    at 20 and 32 asked for (call(x, splits), held to the units there are): within 2^-8 of
+    ref's largest output, the same bit for bit on a second run, the split counters back at
+    zero; a
     CUDA graph of it replayed on new rows gives what an eager call gives, its x written by the
     kernel ahead of it and two calls back to back (with programmatic dependent launch the GEMV
     starts before that kernel ends and waits for it; the second call may start while the first
     runs, on the same split counters)."""
     from nanoserve.quant import cuda_gemv
     from nanoserve.quant import triton_gemm as tg
-    for sms in (1, 5, 8, 10, 132):  # how many CTAs the split aims at: even and uneven runs
+    # how many SMs the split aims at (even and uneven runs), then splits asked for beyond
+    # SPLITS_CAP: AWQ's last CTA adds 16 parts a batch, so 20 and 32 take a second batch
+    cases = [(sms, None) for sms in (1, 5, 8, 10, 132)] + [(132, 20), (132, 32)]
+    for sms, splits in cases:
         monkeypatch.setattr(cuda_gemv, "_num_sms", lambda index, sms=sms: sms)
-        got = call(x)
+        got = call(x, splits)
         assert got.dtype == x.dtype and got.shape == ref.shape
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 2**-8, (label, sms, err)
-        assert torch.equal(got, call(x)), (label, sms)
+        assert err < 2**-8, (label, sms, splits, err)
+        assert torch.equal(got, call(x, splits)), (label, sms, splits)
         if tg._COUNTERS:
             assert not tg._COUNTERS[x.device].any()
     static = x.clone()
@@ -234,7 +239,8 @@ def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, 
         args = dict(w=t["qweight"], zeros=t["qzeros"], scales=t["scales"], group=group)
         x = torch.randn(1, k, device="cuda", generator=gen).to(x_dtype)
         assert cuda_gemv.one_row(x, dict(fmt=AWQ, **args)) is not None, (n, k, group)
-        _one_row_cases(lambda x, args=args: cuda_gemv.awq_gemv(x, **args), x,
+        _one_row_cases(lambda x, splits=None, args=args: cuda_gemv.awq_gemv(x, **args,
+                                                                            splits=splits), x,
                        x.double() @ w.T, monkeypatch, (n, k, group))
 
 
@@ -270,7 +276,8 @@ def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monke
         x = torch.randn(1, k, device="cuda", generator=gen).to(x_dtype)
         assert cuda_gemv.one_row(x, dict(fmt=FP8, **args)) is not None, (n, k, kind)
         ref = x.double() @ (w.double() * full.double()).T
-        _one_row_cases(lambda x, args=args: cuda_gemv.fp8_gemv(x, **args), x, ref,
+        _one_row_cases(lambda x, splits=None, args=args: cuda_gemv.fp8_gemv(x, **args,
+                                                                            splits=splits), x, ref,
                        monkeypatch, (n, k, kind))
     w = torch.zeros(256, 1024, device="cuda").to(torch.float8_e4m3fn)
     x = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)

@@ -227,9 +227,10 @@ for w in $what; do
       run ncu --clock-control none -k regex:gemv_kernel --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-        --section InstructionStats python3 tools/probes/gemv_once.py 2>&1 \
-        | tee "$OUT/gemv_ncu.log" | grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers|Waves|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc|Issue Slots Busy|Executed Instructions |==ERROR" \
-        | head -150 ;;
+        --section InstructionStats python3 tools/probes/gemv_once.py --calls 1 \
+        >"$OUT/gemv_ncu.log" 2>&1
+      grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers Per|Waves|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc A|Issue Slots Busy|==ERROR" \
+        "$OUT/gemv_ncu.log" ;;
     gemvstages)  # issue 36: each one-row GEMV beside kernels that only read its bytes (its own
                  # pattern, and contiguous runs): arithmetic or access pattern? (about a minute)
       run python3 tools/probes/gemv_stages.py 2>&1 | grep -v "it/s" | tee "$OUT/gemv_stages.log" ;;

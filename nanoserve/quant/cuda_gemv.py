@@ -35,7 +35,7 @@ MAX_SPLITS = 32  # the most a split may be asked for (tools/bench_quant.py --spl
 # num_splits' cap. Measured on an H100 (session 28, Qwen3-8B-AWQ's layers, us at 8 / 16 / 24 /
 # 32 splits): qkv 13.5 / 11.8 / 16.3 / 15.7, o 11.9 / 9.8 / 11.6 / 11.4, down 26.7 / 18.6 / 18.3 /
 # 18.4; gate_up 28.3 at 4 (3 an SM) against 29.9 at 5 (4 an SM). Batch-1 TPOT 5.09-5.10 ms
-# against 5.24-5.26 (16 and 4 an SM against 32 and 4)
+# against 5.24-5.26 (16 and 3 an SM against 32 and 4)
 SPLITS_CAP = 16
 HALF = (torch.bfloat16, torch.float16)
 
@@ -159,7 +159,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: 
 def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int,
            x: torch.Tensor) -> int:
     """num_splits' choice, or `splits` held to 1..min(units, MAX_SPLITS) (each CTA needs a
-    unit; the counters and parts are sized for MAX_SPLITS)."""
+    unit)."""
     if splits is None:
         return num_splits(slices, units, ctas_per_sm * _num_sms(x.device.index or 0))
     return max(1, min(splits, units, MAX_SPLITS))

@@ -1,11 +1,14 @@
 """What bounds a one-row GEMV (issue 36), by leaving its arithmetic out: for each of Qwen3-8B's
-layers, the engine's CUDA GEMV (quant/cuda_gemv.py, AWQ and FP8) beside kernels that only read
-the same bytes, with the same grid, K split and per-thread loads (the GEMV's access pattern
-with no sums), and with the same grid reading each CTA's share as one contiguous run (the
-pattern a repacked weight would allow). GEMV far above its own read: the arithmetic is not
-hidden behind the loads. Its own read far above the contiguous one: the pattern costs.
-In CUDA graphs, cycling over enough copies of the weight that none stays in L2. Usage (GPU):
-    python tools/probes/gemv_stages.py [--shapes qkv,o,gate_up,down]
+layers, the engine's CUDA GEMV (quant/cuda_gemv.py, AWQ and FP8) beside kernels that only load
+what it loads, with the same grid, K split and per-thread loads (weights, x, AWQ's zeros and
+scales, FP8's block scales) and its split ending (gemv_split.cuh), but no sums; and beside a
+kernel that reads the weight with the same grid, each CTA's share as one contiguous run (the
+pattern a repacked weight would allow; no x, no ending). The GEMV far above its own loads: its
+arithmetic is not hidden behind them (the loads kernel, at fewer registers, may keep more loads
+in flight than the GEMV: a part of the gap). Its loads far above the contiguous run: the
+pattern costs. In CUDA graphs, cycling over enough copies of the weight that none stays in L2.
+Usage (GPU):
+    python tools/probes/gemv_stages.py [--formats awq,fp8] [--shapes qkv,o,gate_up,down]
 """
 
 from __future__ import annotations
@@ -22,86 +25,118 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's shap
 from bench_quant import SHAPES, SPAN, copy_rate_gbs, graph_time_us, weights  # noqa: E402
 
 from nanoserve.quant import cuda_gemv  # noqa: E402
+from nanoserve.quant.triton_gemm import split_buffers  # noqa: E402
+
+QUANT_CSRC = Path(cuda_gemv.__file__).parent / "csrc"  # gemv_split.cuh
+ONE_ROW_CSRC = QUANT_CSRC.parents[1] / "csrc"  # one_row.cuh
 
 CUDA = r"""
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <torch/extension.h>
 #include <cstdint>
 
+#include "gemv_split.cuh"
+
 namespace {
 
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+using one_row::load_stream;
 
 __device__ __forceinline__ uint32_t fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
-// awq_gemv.cu's loads alone: a CTA 256 outputs (128 bytes a row), 16 rows a step, a group's 8
-// steps loaded together, then its zeros (16 bytes) and scales (64 bytes) a thread
+// awq_gemv.cu's loads with no arithmetic (group 128): a CTA 256 outputs (128 bytes a row), 16
+// rows a step, a group's 8 steps and their x loaded together, then its zeros (16 bytes) and
+// scales (64 bytes) a thread; its split ending as the GEMV's (gemv_split.cuh), of sums that are
+// zero unless the loads' bits happen to fold to a constant (which keeps the loads)
 __global__ void __launch_bounds__(128, 4) awq_read(const uint32_t* qweight, const uint32_t* qzeros,
-                                                   const uint16_t* scales, int n, int k,
-                                                   uint32_t* sink) {
-  constexpr int GROUP = 128, STEPS = 8, SLOTS = 16;
+                                                   const uint16_t* scales, const uint16_t* x,
+                                                   int n, int k, __nv_bfloat16* y,
+                                                   float* partials, int32_t* counters) {
+  constexpr int GROUP = 128, STEPS = 8, SLOTS = 16, OUTS = 256;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = warp * 4 + (lane >> 3), col = lane & 7;
   const int words = n / 8, word0 = blockIdx.x * 32 + col * 4;
-  if (word0 >= words) return;
+  const bool live = word0 < words;
   const int groups = k / GROUP;
   const int g_begin = blockIdx.y * groups / gridDim.y;
   const int g_end = (blockIdx.y + 1) * groups / gridDim.y;
   uint32_t acc = 0;
-  for (int g = g_begin; g < g_end; ++g) {
+  for (int g = g_begin; live && g < g_end; ++g) {
     uint4 q[STEPS];
+    uint32_t xv[STEPS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s)
-      q[s] = load_stream(qweight + static_cast<size_t>(g * GROUP + s * SLOTS + slot) * words +
-                         word0);
+    for (int s = 0; s < STEPS; ++s) {
+      const int row = g * GROUP + s * SLOTS + slot;
+      q[s] = load_stream(qweight + static_cast<size_t>(row) * words + word0);
+      xv[s] = x[row];
+    }
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) acc ^= fold(q[s]);
-    acc ^= fold(load_stream(qzeros + static_cast<size_t>(g) * words + word0));
-    const uint16_t* sp = scales + static_cast<size_t>(g) * n + word0 * 8;
+    for (int s = 0; s < STEPS; ++s) acc ^= fold(q[s]) ^ xv[s];
+    acc ^= fold(*reinterpret_cast<const uint4*>(qzeros + static_cast<size_t>(g) * words + word0));
+    const uint4* sp = reinterpret_cast<const uint4*>(scales + static_cast<size_t>(g) * n +
+                                                     word0 * 8);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc ^= fold(load_stream(sp + 8 * j));
+    for (int j = 0; j < 4; ++j) acc ^= fold(sp[j]);
   }
-  if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads
+  __shared__ float sums[OUTS];
+  for (int m = threadIdx.x; m < OUTS; m += blockDim.x) sums[m] = 0.f;
+  __syncthreads();
+  if (acc == 0x9E3779B9u) sums[threadIdx.x] = 1.f;
+  __syncthreads();
+  gemv::finish<OUTS / 128, 16>(sums, OUTS, blockIdx.x * OUTS, n, y, partials, counters);
 }
 
-// fp8_gemv.cu's loads alone: a CTA 16 outputs, a quarter warp one output's row, 8 steps of
-// 128 bytes loaded together
-__global__ void __launch_bounds__(128, 8) fp8_read(const uint8_t* w, int n, int k,
-                                                   uint32_t* sink) {
-  constexpr int STEP = 128, STEPS = 8;
+// fp8_gemv.cu's loads with no arithmetic (128 x 128 scale blocks): a CTA 16 outputs, a quarter
+// warp one output's row, 8 steps of 128 bytes loaded together, each step's 16 inputs of x (32
+// bytes) and its block's scale; its split ending as the GEMV's
+__global__ void __launch_bounds__(128, 8) fp8_read(const uint8_t* w, const float* scales,
+                                                   int stride_s, const uint16_t* x, int n, int k,
+                                                   __nv_bfloat16* y, float* partials,
+                                                   int32_t* counters) {
+  constexpr int STEP = 128, STEPS = 8, OUTS = 16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row = blockIdx.x * 16 + warp * 4 + (lane >> 3), col = lane & 7;
-  if (row >= n) return;
+  const int slot = warp * 4 + (lane >> 3), col = lane & 7;
+  const int row = blockIdx.x * OUTS + slot;
+  const bool live = row < n;
   const int steps = k / STEP;
   const int s_begin = blockIdx.y * steps / gridDim.y;
   const int rows = ((blockIdx.y + 1) * steps / gridDim.y - s_begin) * STEP;
-  const uint8_t* at = w + static_cast<size_t>(row) * k + s_begin * STEP + col * 16;
+  const int k_begin = s_begin * STEP;
+  const uint8_t* at = w + static_cast<size_t>(live ? row : 0) * k + k_begin + col * 16;
+  const uint16_t* xa = x + k_begin + col * 16;
+  const float* sc = scales + static_cast<size_t>(live ? row / 128 : 0) * stride_s;
   uint32_t acc = 0;
   for (int k0 = 0; k0 < rows; k0 += STEPS * STEP) {
     uint4 q[STEPS];
 #pragma unroll
     for (int s = 0; s < STEPS; ++s)
-      q[s] = k0 + s * STEP < rows ? load_stream(at + k0 + s * STEP) : make_uint4(0, 0, 0, 0);
+      q[s] = live && k0 + s * STEP < rows ? load_stream(at + k0 + s * STEP)
+                                          : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) acc ^= fold(q[s]);
+    for (int s = 0; s < STEPS; ++s) {
+      if (k0 + s * STEP >= rows) break;
+      const uint4* xp = reinterpret_cast<const uint4*>(xa + k0 + s * STEP);
+      acc ^= fold(q[s]) ^ fold(xp[0]) ^ fold(xp[1]) ^
+             __float_as_uint(sc[s_begin + k0 / STEP + s]);
+    }
   }
-  if (acc == 0x9E3779B9u) sink[0] = acc;
+  acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+  __shared__ float sums[OUTS];
+  if (col == 0) sums[slot] = acc == 0x9E3779B9u ? 1.f : 0.f;
+  __syncthreads();
+  gemv::finish<1, 4>(sums, OUTS, blockIdx.x * OUTS, n, y, partials, counters);
 }
 
 // each CTA of a grid reads `per_cta` bytes (a multiple of 2 KB) as one contiguous run, 8 loads
-// of 16 bytes a thread in flight at once
+// of 16 bytes a thread in flight at once; no ending
 template <int CTAS_PER_SM>
 __global__ void __launch_bounds__(128, CTAS_PER_SM) contiguous_read(const uint8_t* base,
-                                                                   long per_cta, uint32_t* sink) {
+                                                                   int64_t per_cta,
+                                                                   uint32_t* sink) {
   const size_t cta = static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const uint8_t* at = base + cta * per_cta + threadIdx.x * 16;
   uint32_t acc = 0;
-  for (long off = 0; off < per_cta; off += 8 * 2048) {
+  for (int64_t off = 0; off < per_cta; off += 8 * 2048) {
     uint4 q[8];
 #pragma unroll
     for (int s = 0; s < 8; ++s)
@@ -114,24 +149,35 @@ __global__ void __launch_bounds__(128, CTAS_PER_SM) contiguous_read(const uint8_
 
 }  // namespace
 
+// the split's parts and counters are the engine's (quant/triton_gemm.split_buffers)
 void awq_read_launch(torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
-                     int64_t splits, torch::Tensor sink) {
+                     torch::Tensor x, torch::Tensor y, torch::Tensor partials,
+                     torch::Tensor counters, int64_t splits) {
   const int n = static_cast<int>(scales.size(1)), k = static_cast<int>(qweight.size(0));
   awq_read<<<dim3((n + 255) / 256, splits), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const uint32_t*>(qweight.data_ptr()),
       static_cast<const uint32_t*>(qzeros.data_ptr()),
-      static_cast<const uint16_t*>(scales.data_ptr()), n, k,
-      static_cast<uint32_t*>(sink.data_ptr()));
+      static_cast<const uint16_t*>(scales.data_ptr()),
+      static_cast<const uint16_t*>(x.data_ptr()), n, k,
+      static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<float*>(partials.data_ptr()),
+      static_cast<int32_t*>(counters.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void fp8_read_launch(torch::Tensor w, int64_t splits, torch::Tensor sink) {
+void fp8_read_launch(torch::Tensor w, torch::Tensor scales, torch::Tensor x, torch::Tensor y,
+                     torch::Tensor partials, torch::Tensor counters, int64_t splits) {
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   fp8_read<<<dim3((n + 15) / 16, splits), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const uint8_t*>(w.data_ptr()), n, k, static_cast<uint32_t*>(sink.data_ptr()));
+      static_cast<const uint8_t*>(w.data_ptr()), static_cast<const float*>(scales.data_ptr()),
+      static_cast<int>(scales.stride(0)), static_cast<const uint16_t*>(x.data_ptr()), n, k,
+      static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<float*>(partials.data_ptr()),
+      static_cast<int32_t*>(counters.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void contiguous_read_launch(torch::Tensor base, int64_t ctas_x, int64_t ctas_y, int64_t per_cta,
                             int64_t ctas_per_sm, torch::Tensor sink) {
+  TORCH_CHECK(ctas_x * ctas_y * per_cta <= base.numel() * base.element_size(), "past the end");
   const dim3 grid(ctas_x, ctas_y);
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto* p = static_cast<const uint8_t*>(base.data_ptr());
@@ -140,12 +186,15 @@ void contiguous_read_launch(torch::Tensor base, int64_t ctas_x, int64_t ctas_y, 
     contiguous_read<8><<<grid, 128, 0, stream>>>(p, per_cta, s);
   else
     contiguous_read<4><<<grid, 128, 0, stream>>>(p, per_cta, s);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 """
 CPP = """
 void awq_read_launch(torch::Tensor qweight, torch::Tensor qzeros, torch::Tensor scales,
-                     int64_t splits, torch::Tensor sink);
-void fp8_read_launch(torch::Tensor w, int64_t splits, torch::Tensor sink);
+                     torch::Tensor x, torch::Tensor y, torch::Tensor partials,
+                     torch::Tensor counters, int64_t splits);
+void fp8_read_launch(torch::Tensor w, torch::Tensor scales, torch::Tensor x, torch::Tensor y,
+                     torch::Tensor partials, torch::Tensor counters, int64_t splits);
 void contiguous_read_launch(torch::Tensor base, int64_t ctas_x, int64_t ctas_y, int64_t per_cta,
                             int64_t ctas_per_sm, torch::Tensor sink);
 """
@@ -169,19 +218,24 @@ def time_layer(ext, fmt: str, name: str, rate: float, sink: torch.Tensor) -> str
     copies = [one] + [weights(fmt, n, k)[0] for _ in range(max(0, SPAN // nbytes - 1))]
     slices, split, per_sm = splits_of(fmt, n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    if cuda_gemv.one_row(x, one) is None:
+        return f"{fmt} {name}: not taken by the CUDA kernels"
     gemv = graph_time_us([partial(cuda_gemv.one_row, x, a) for a in copies])
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials, counters = split_buffers(y, split, (slices, 1, split))  # made before any capture
     if fmt == "awq":
-        reads = [partial(ext.awq_read_launch, a["w"], a["zeros"], a["scales"], split, sink)
-                 for a in copies]
+        reads = [partial(ext.awq_read_launch, a["w"], a["zeros"], a["scales"], x, y, partials,
+                         counters, split) for a in copies]
     else:
-        reads = [partial(ext.fp8_read_launch, a["w"], split, sink) for a in copies]
+        reads = [partial(ext.fp8_read_launch, a["w"], a["scales"], x, y, partials, counters,
+                         split) for a in copies]
     own = graph_time_us(reads)
     wbytes = one["w"].numel() * one["w"].element_size()
-    per_cta = max(2048, wbytes // (slices * split) // 2048 * 2048)
+    per_cta = wbytes // (slices * split) // 2048 * 2048
     contiguous = graph_time_us([partial(ext.contiguous_read_launch, a["w"], slices, split,
                                         per_cta, per_sm, sink) for a in copies])
     floor = nbytes / rate / 1e3
-    return (f"{fmt:6s} {name:8s} {nbytes / 1e6:6.1f} {slices:4d}x{split:<3d} {floor:9.1f} "
+    return (f"{fmt:6s} {name:8s} {nbytes / 1e6:7.1f} {slices:5d}x{split:<3d} {floor:9.1f} "
             f"{gemv:9.1f} {own:11.1f} {contiguous:12.1f}")
 
 
@@ -195,11 +249,12 @@ def main() -> None:
         sys.exit("the one-row CUDA kernels did not build here")
     ext = load_inline("nanoserve_probe_gemv_stages", cpp_sources=CPP, cuda_sources=CUDA,
                       functions=["awq_read_launch", "fp8_read_launch", "contiguous_read_launch"],
-                      extra_cuda_cflags=["-O3"])
+                      extra_cuda_cflags=["-O3"], extra_include_paths=[str(QUANT_CSRC),
+                                                                      str(ONE_ROW_CSRC)])
     rate = copy_rate_gbs()
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s (warmed)")
-    print("format layer      MB   grid      floor us   GEMV us   its reads   contiguous")
+    print("format layer         MB  grid        floor us   GEMV us   its reads   contiguous")
     for fmt in args.formats.split(","):
         for name in args.shapes.split(","):
             print(time_layer(ext, fmt, name, rate, sink), flush=True)
