@@ -12,7 +12,9 @@ in a fixed order by the last CTA of each slice of outputs (gemv_split.cuh). Trit
 
 
 On an H100 (session 27, Qwen3-8B's layers): AWQ 1.35-2.62x the weights' floor against Triton's
-2.39-3.77x (TPOT 5.08 against 6.66 ms), FP8 1.09-1.73x against 1.05-1.82x (TPOT even).
+2.39-3.77x (TPOT 5.08 against 6.66 ms; 5.07-5.10 with session 28's split cap), FP8 1.09-1.73x
+against 1.05-1.82x (TPOT even); those floors count a copy rate measured low (docs/perf-notes.md,
+session 28).
 NANOSERVE_ONE_ROW_CUDA=0 (nanoserve/extensions.py) leaves Triton's."""
 
 from __future__ import annotations
