@@ -24,7 +24,8 @@ def one_row_cuda_wanted() -> bool:
 
 # "1": the one-row GEMVs are launched with programmatic dependent launch on sm_90 and later (a
 # GEMV fetches its first weights into L2 while the kernel ahead of it finishes; csrc/
-# one_row.cuh). Off until measured: it has not run on a GPU
+# one_row.cuh). Off: on an H200 it gave no TPOT gain, the kernels ahead of the GEMVs not
+# signalling early (docs/perf-notes.md, session 28)
 PDL_SWITCH = "NANOSERVE_PDL"
 
 

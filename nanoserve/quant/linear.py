@@ -5,9 +5,8 @@ ones.
 On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
 per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; one row of AWQ or FP8
 through quant/cuda_gemv.py's CUDA kernels where they build, unless NANOSERVE_ONE_ROW_CUDA=0);
-elsewhere, and where
-those do not take the rows, it dequantizes the weight and multiplies: the reference path, which
-the kernels are tested against.
+elsewhere, and where those do not take the rows, it dequantizes the weight and multiplies: the
+reference path, which the kernels are tested against.
 """
 
 from __future__ import annotations
