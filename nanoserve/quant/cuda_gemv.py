@@ -3,18 +3,19 @@
 through torch's cpp_extension (nvcc); where it cannot be built, or for shapes they do not take,
 Triton's kernels run (quant/triton_gemm.py; `one_row` returns None).
 
-Both read the weight as session 25's FP8 decode kernel learned to (docs/perf-notes.md): each
-quarter warp reads whole contiguous 128-byte rows, 16 bytes a lane, several loads in flight; a
-lane's values widened to floats (AWQ: two nibbles through bf16's bit pattern in two bit
-operations; e4m3: two in one `cvt`), one FMA an element; K split over CTAs and the parts summed
-in a fixed order by the last CTA of each slice of outputs (gemv_split.cuh). Triton's GEMVs ran at
-2.4-4.0x the weights' floor (AWQ) and about 2.0 TB/s (FP8) per layer on an H100 (sessions 21-22).
-
+Both read the weight in whole contiguous 128-byte row segments, 16 bytes a lane, several loads
+in flight (AWQ: a quarter warp a row; FP8: a warp 512 bytes of one row, x loaded once a chunk for
+the warp's 8 rows); a lane's values widened to floats (AWQ: two nibbles through bf16's bit
+pattern in two bit operations; e4m3: two in one `cvt`), one FMA an element; K split over CTAs
+and the parts summed in a fixed order by the last CTA of each slice of outputs
+(gemv_split.cuh). Triton's GEMVs ran at 2.4-4.0x the weights' floor (AWQ) and about 2.0 TB/s
+(FP8) per layer on an H100 (sessions 21-22).
 
 On an H100 (session 27, Qwen3-8B's layers): AWQ 1.35-2.62x the weights' floor against Triton's
-2.39-3.77x (TPOT 5.08 against 6.66 ms; 5.07-5.10 with session 28's split cap), FP8 1.09-1.73x
-against 1.05-1.82x (TPOT even); those floors count a copy rate measured low (docs/perf-notes.md,
-session 28).
+2.39-3.77x (TPOT 5.08 against 6.66 ms; 5.07-5.10 with session 28's split cap). FP8 on an H200
+(session 29, us, this kernel against the quarter-warp form that loaded x for each row): qkv
+11.1 / 14.1, o 10.5 / 12.0, gate_up 26.6 / 37.6, down 16.6 / 20.3; Qwen3-8B-FP8 batch-1 TPOT at
+32K 4.39 against 5.06 ms.
 NANOSERVE_ONE_ROW_CUDA=0 (nanoserve/extensions.py) leaves Triton's."""
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import torch
 from nanoserve.extensions import one_row_module, pdl_wanted
 
 CSRC = Path(__file__).parent / "csrc"
-AWQ_OUTS, FP8_OUTS = 256, 16  # outputs a CTA owns (the kernels')
+AWQ_OUTS, FP8_OUTS = 256, 32  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
-FP8_STEP = 128  # inputs a quarter warp reads a step; scale blocks must not cross one
-# CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, FP8's at 61-64
-# registers a thread (8 an SM), AWQ's at 118-128 (4 an SM; 3 measured faster, below)
-AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 3, 8
+FP8_STEP = 128  # the FP8 split's unit; scale blocks must not cross one
+# CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, FP8's at 80
+# registers a thread (6 an SM), AWQ's at 118-128 (4 an SM; 3 measured faster, below)
+AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 3, 6
 MAX_SPLITS = 32  # the most a split may be asked for (tools/bench_quant.py --splits)
 # num_splits' cap. Measured on an H100 (session 28, Qwen3-8B-AWQ's layers, us at 8 / 16 / 24 /
 # 32 splits): qkv 13.5 / 11.8 / 16.3 / 15.7, o 11.9 / 9.8 / 11.6 / 11.4, down 26.7 / 18.6 / 18.3 /

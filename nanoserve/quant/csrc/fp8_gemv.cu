@@ -7,13 +7,16 @@
 // scale_cols is a multiple of 128 (a 128-input step never crosses a block) or at least K (one
 // scale a row, applied once at the end).
 //
-// A CTA owns 16 outputs: each quarter warp one output's row, whose 128-byte steps of K its 8
-// lanes read 16 bytes each (whole contiguous rows a quarter warp: the copy form that reads at
-// the device's rate, docs/perf-notes.md, session 25). STEPS steps are loaded together, then
-// used: two e4m3 become two halves in one cvt, then floats, one FMA an input, the step's sum
-// scaled once. K split over gridDim.y CTAs, each a run of whole steps: gemv_split.cuh. Launched
-// with programmatic dependent launch (p.pdl), a CTA fetches its rows' first steps into L2 before
-// it waits for the kernel ahead of it (x is that kernel's output).
+// A CTA owns 32 outputs, a warp 8 of them. A warp reads K in 512-input chunks: at each chunk a
+// lane loads its 16 inputs of x once, as floats, and its 16 bytes of each of the warp's 8 rows
+// (each load of a warp 512 contiguous bytes of one row), so that x is read once for 8 rows.
+// Session 29 measured what the form before this one (a quarter warp a row, x loaded for each
+// row) paid for x: on an H200 its loads with x took 36.6 us for Qwen3-8B's gate_up, without x
+// 25.3, contiguous reads of the same bytes 24.7 (tools/probes/gemv_stages.py). Two e4m3 become
+// two halves in one cvt, then floats, one FMA an input, each lane's 16 scaled once (blocks are
+// whole 128-input steps). K split over gridDim.y CTAs, each a run of whole 128-input steps:
+// gemv_split.cuh. Launched with programmatic dependent launch (p.pdl), a warp fetches its rows'
+// first chunk into L2 before it waits for the kernel ahead of it (x is that kernel's output).
 #include <cuda_fp8.h>
 
 #include "fp8_gemv.h"
@@ -23,85 +26,90 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int OUTS = WARPS * 4;  // outputs a CTA owns: one a quarter warp
-constexpr int STEP = 128;        // inputs a quarter warp reads a step
-constexpr int STEPS = 8;         // steps loaded together
+constexpr int ROWS = 8;             // outputs a warp owns
+constexpr int OUTS = WARPS * ROWS;  // outputs a CTA owns
+constexpr int STEP = 128;           // the split's unit; scale blocks are whole steps
+constexpr int CHUNK = 32 * 16;      // inputs a warp reads a load: 16 a lane
 
 using one_row::load_stream;
 using one_row::pair;
 
-// the dot of 16 e4m3 weights (a uint4) with 16 inputs (two uint4 of XT)
-template <typename XT>
-__device__ __forceinline__ float dot16(uint4 wq, uint4 xa, uint4 xb) {
+// the dot of 16 e4m3 weights (a uint4) with 16 inputs
+__device__ __forceinline__ float dot16(uint4 wq, const float* xf) {
   const uint32_t ws[4] = {wq.x, wq.y, wq.z, wq.w};
-  const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {  // weights 2 i and 2 i + 1: half i of the words
     const auto two = static_cast<__nv_fp8x2_storage_t>(ws[i / 2] >> (16 * (i % 2)));
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
     const float2 wf = __half22float2(__half2(h));
-    const float2 xf = pair(xs[i], XT{});
-    sum = fmaf(wf.x, xf.x, sum);
-    sum = fmaf(wf.y, xf.y, sum);
+    sum = fmaf(wf.x, xf[2 * i], sum);
+    sum = fmaf(wf.y, xf[2 * i + 1], sum);
   }
   return sum;
 }
 
 // SCALE_ONCE: one scale a row (scale_cols >= k); UNIT_BLOCKS: a scale a 128-input step
-// (scale_cols == 128: its index steps with the step, no division)
+// (scale_cols == 128: no division)
 template <typename XT, bool SCALE_ONCE, bool UNIT_BLOCKS>
-__global__ void __launch_bounds__(THREADS, 8) fp8_gemv_kernel(Fp8GemvParams p) {
+__global__ void __launch_bounds__(THREADS, 6) fp8_gemv_kernel(Fp8GemvParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int slot = warp * 4 + (lane >> 3);  // this thread's output within the CTA
-  const int col = lane & 7;                 // its 16 bytes of each 128-byte step
-  const int n = blockIdx.x * OUTS + slot;
-  const bool live = n < p.n;
+  const int n0 = blockIdx.x * OUTS + warp * ROWS;  // this warp's first output
   const int steps = p.k / STEP;  // this CTA's 128-input steps: [s_begin, s_end)
   const int s_begin = blockIdx.y * steps / gridDim.y;
-  const int rows = ((blockIdx.y + 1) * steps / gridDim.y - s_begin) * STEP;
+  const int run = ((blockIdx.y + 1) * steps / gridDim.y - s_begin) * STEP;
   const int k_begin = s_begin * STEP;
-  const uint8_t* w = p.w + static_cast<size_t>(live ? n : 0) * p.stride_w + k_begin + col * 16;
-  const XT* x = static_cast<const XT*>(p.x) + k_begin + col * 16;
-  const float* scales = p.scales + static_cast<size_t>(live ? p.scale_row[n] : 0) * p.stride_s;
-  float acc = 0.f;
-  // lane col of a quarter warp: step col of its row (the line its 8 lanes read together)
-  if (live && col * STEP < rows) one_row::prefetch_l2(w - col * 16 + col * STEP);
+  const int live_rows = min(ROWS, p.n - n0);  // rows past N read nothing
+  const uint8_t* w = p.w + static_cast<size_t>(n0) * p.stride_w + k_begin + lane * 16;
+  const XT* x = static_cast<const XT*>(p.x) + k_begin + lane * 16;
+  int srow[ROWS];  // each row's scales, as offsets into p.scales
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) srow[r] = r < live_rows ? p.scale_row[n0 + r] * p.stride_s : 0;
+  // lane l: the line of quarter l % 4 of row l / 4's first chunk
+  if (lane / 4 < live_rows && (lane % 4) * 128 < run)
+    one_row::prefetch_l2(w - lane * 16 + static_cast<size_t>(lane / 4) * p.stride_w +
+                         (lane % 4) * 128);
   one_row::pdl_wait();
-  for (int k0 = 0; k0 < rows; k0 += STEPS * STEP) {
-    uint4 wq[STEPS];
+  float acc[ROWS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s)
-      wq[s] = live && k0 + s * STEP < rows ? load_stream(w + k0 + s * STEP)
-                                             : make_uint4(0, 0, 0, 0);
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int k0 = 0; k0 + lane * 16 < run; k0 += CHUNK) {  // lanes past the run's end stop
+    uint4 wq[ROWS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      if (k0 + s * STEP >= rows) break;
-      // coherent loads: under PDL x is the kernel ahead's output (one_row.cuh)
-      const uint4* xp = reinterpret_cast<const uint4*>(x + k0 + s * STEP);
-      const float part = dot16<XT>(wq[s], xp[0], xp[1]);
-      if (SCALE_ONCE) {
-        acc += part;
-      } else {
-        const int block = UNIT_BLOCKS ? s_begin + (k0 / STEP) + s
-                                      : (k_begin + k0 + s * STEP) / p.scale_cols;
-        acc = fmaf(scales[block], part, acc);
-      }
+    for (int r = 0; r < ROWS; ++r)
+      wq[r] = r < live_rows ? load_stream(w + static_cast<size_t>(r) * p.stride_w + k0)
+                            : make_uint4(0, 0, 0, 0);
+    // coherent loads: under PDL x is the kernel ahead's output (one_row.cuh)
+    const uint4* xp = reinterpret_cast<const uint4*>(x + k0);
+    const uint4 xa = xp[0], xb = xp[1];
+    const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float xf[16];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 v = pair(xs[i], XT{});
+      xf[2 * i] = v.x, xf[2 * i + 1] = v.y;
+    }
+    const int block = UNIT_BLOCKS ? s_begin + (k0 + lane * 16) / STEP
+                                  : (k_begin + k0 + lane * 16) / p.scale_cols;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float part = dot16(wq[r], xf);
+      acc[r] = SCALE_ONCE ? acc[r] + part : fmaf(p.scales[srow[r] + block], part, acc[r]);
     }
   }
   one_row::pdl_trigger();
-  if (SCALE_ONCE && live) acc *= scales[0];
-  // the 8 lanes of a quarter warp hold one output's parts
-  acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   __shared__ float sums[OUTS];
-  if (col == 0) sums[slot] = acc;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float t = acc[r];
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) t += __shfl_xor_sync(0xffffffffu, t, d);
+    if (SCALE_ONCE) t *= p.scales[srow[r]];
+    if (lane == 0) sums[warp * ROWS + r] = t;
+  }
   __syncthreads();
   static_assert(OUTS <= THREADS, "finish: an output a thread");
-  // 4 splits a batch: 8 or 16 spilled at 64 registers (nvcc 13); FP8's splits are few (4 for
-  // Qwen3-8B's o and down on an H100)
-  gemv::finish<1, 4>(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
+  gemv::finish<1, 8>(sums, OUTS, blockIdx.x * OUTS, p.n, static_cast<XT*>(p.y), p.partials,
                      p.counters);
 }
 

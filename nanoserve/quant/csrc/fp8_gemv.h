@@ -12,7 +12,7 @@ struct Fp8GemvParams {
   const int32_t* scale_row;  // [N]: each output's row of scales
   void* y;                   // [N], x's dtype
   float* partials;           // [splits, N] when the K split is over several CTAs
-  int32_t* counters;         // one per 16 outputs, zero between launches
+  int32_t* counters;         // one per 32 outputs, zero between launches
   int n, k, stride_w, stride_s;
   int scale_cols;            // inputs a scale covers: a multiple of 128, or at least k
   int splits;                // CTAs K is split over (1 to k / 128), each whole 128-input steps
