@@ -32,7 +32,7 @@ AWQ_OUTS, FP8_OUTS = 256, 32  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
 FP8_STEP = 128  # the FP8 split's unit; scale blocks must not cross one
 # CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, FP8's at 80
-# registers a thread (6 an SM), AWQ's at 118-128 (4 an SM; 3 measured faster, below)
+# registers a thread (6 an SM), AWQ's at 168 (3 an SM)
 AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 3, 6
 MAX_SPLITS = 32  # the most a split may be asked for (tools/bench_quant.py --splits)
 # num_splits' cap. Measured on an H100 (session 28, Qwen3-8B-AWQ's layers, us at 8 / 16 / 24 /
