@@ -138,8 +138,9 @@ def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, to
                                                                        hidden, inter,
                                                                        monkeypatch, request):
     """models/cuda_moe.py (batch 1: two CUDA kernels, no sort, no sum kernel) on the same
-    weights and routing as the Triton fused path (top k 1 to 16: 16 outputs of down a CTA to
-    one; rows of 320: a short second group of loads): within 2^-7 of the largest output of it
+    weights and routing as the Triton fused path (top k 1 to 16: down's warps idle or taking up
+    to 4 expert slots each; rows of 320 and 192: a step's second chunk cut short or missing;
+    rows of 64: one lane in four loading): within 2^-7 of the largest output of it
     (a bf16 step or two: the dots summed in another order, then the same roundings), within
     8e-3 (relative norm) of the float64 tile-by-tile twin; experts_fused takes it at one token
     without tiles; a CUDA graph of it replayed with new inputs and new routing gives eager's

@@ -1,16 +1,18 @@
 """One token's MoE experts (batch-1 decode) in CUDA (csrc/moe_gemv.cu): the k experts the
 router chose, read by their ids on the device, in two kernels (gate_up with SiLU-multiply; down
 weighted and summed over the k), where the Triton path (models/fused_moe.py) runs the sort, two
-grouped GEMMs and a sum. Each quarter warp reads a weight row in whole 128-byte steps, the copy
-form that reads at the device's rate (docs/perf-notes.md, session 25). Built at first use
-through torch's cpp_extension (nvcc); where it cannot be built, or for other shapes, the Triton
-path runs (`supports` says which).
+grouped GEMMs and a sum. A warp reads 4 weight rows together, 512 contiguous bytes of one row a
+load, its inputs loaded once for the 4 (csrc/moe_gemv.cu). Built at first use through torch's
+cpp_extension (nvcc); where it cannot be built, or for other shapes, the Triton path runs
+(`supports` says which).
 
 Session 23's profile of Qwen3-30B-A3B at batch 1 (H200) put the expert kernels at 25.8 us a
 layer, about 1.4x their bytes' floor, and the sort and the sum over k at 6 us more.
 
 On an H100 (session 27) the layer takes 40.9 us against the Triton path's 47.9 (1.59x and
-1.84x the bytes' floor), Qwen3-30B-A3B's batch-1 TPOT 4.00 against 4.36 ms.
+1.84x the bytes' floor), Qwen3-30B-A3B's batch-1 TPOT 4.00 against 4.36 ms. On an H200 (session
+29, `tools/bench_moe.py --batch 1`) the layer takes 32.7 us (1.80x) against 34.7 (1.91x) for the
+form before, a quarter warp a row with its inputs loaded for each row; TPOT 3.35 against 3.41 ms.
 NANOSERVE_ONE_ROW_CUDA=0 (nanoserve/extensions.py) leaves the Triton path."""
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 from nanoserve.extensions import one_row_module
 
 CSRC = Path(__file__).parent / "csrc"
-QUARTERS = 16  # rows a CTA reads at once: top k must divide it
-STEP = 64  # values a quarter warp reads a step: hidden and intermediate sizes are multiples
+QUARTERS = 16  # top k must divide it (the down kernel's dots a CTA)
+STEP = 64  # hidden and intermediate sizes are multiples of it (the kernels' launch check)
 HALF = (torch.bfloat16, torch.float16)
 
 

@@ -3,13 +3,14 @@
 // and no separate sum: each CTA reads its rows of the experts the router chose (ids on the
 // device, so a CUDA graph replays it for whatever the router picks).
 //
-// Each quarter warp reads one weight row in whole contiguous 128-byte steps, 16 bytes (8 values)
-// a lane, STEPS steps in flight (the copy form that reads at the device's rate,
-// docs/perf-notes.md, session 25); a row's parts are summed over the quarter's lanes.
-//   gate_up [E, 2I, H]: a CTA takes 8 intermediate outputs of one expert slot, its 16 quarter
-//     warps their gate and up rows, and writes act[slot, i] = silu(gate) * up;
-//   down [E, H, I]: a CTA takes 16 / k outputs, its quarter warps each output's row of each of
-//     the k experts, and writes y[n] = sum over slots of weight[slot] * (down row . act[slot]).
+// A warp reads 4 weight rows together, 16 bytes (8 values) a lane of each, each load of a warp
+// 512 contiguous bytes of one row, with the lane's 8 inputs loaded once for the 4 rows (session
+// 29: the FP8 one-row GEMV, which loaded its inputs for each row, spent a third of its time on
+// them; quant/csrc/fp8_gemv.cu);
+//   gate_up [E, 2I, H]: a CTA takes 8 intermediate outputs of one expert slot, a warp two of
+//     them, their gate and up rows, and writes act[slot, i] = silu(gate) * up;
+//   down [E, H, I]: a CTA takes 4 outputs, a warp the 4 outputs' rows of every fourth expert
+//     slot, and writes y[n] = sum over slots of weight[slot] * (down row . act[slot]).
 // Rounding follows the Triton fused path (models/fused_moe.py): gate, up, silu (its exp and
 // division as Triton compiles them) and their product rounded to the activation dtype, each
 // slot's weighted output rounded, their sum in float32 rounded once. The dots' order differs.
@@ -20,9 +21,12 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int QUARTERS = WARPS * 4;  // rows a CTA reads at once
-constexpr int STEP = 64;             // values a quarter warp reads a step (128 bytes)
-constexpr int STEPS = 4;             // steps loaded together
+constexpr int QUARTERS = 16;     // top k divides it (cuda_moe.py checks): down's dots a CTA
+constexpr int STEP = 64;         // hidden and intermediate sizes are multiples of it
+constexpr int ROWS = 4;          // rows a warp reads together
+constexpr int CHUNK = 32 * 8;    // values a warp reads a load: 8 a lane
+constexpr int UNROLL = 2;        // chunks a loop step: ROWS * UNROLL loads in flight a lane
+constexpr int GATE_UP_OUTS = WARPS * 2;  // intermediate outputs a gate_up CTA takes
 
 using one_row::load_stream;
 using one_row::pair;
@@ -30,53 +34,74 @@ using one_row::rounded;
 using one_row::store;
 using one_row::to_float;
 
-// the dot of 8 weights with 8 inputs, a uint4 of T each
+// sum plus the dot of 8 weights (a uint4 of T) with 8 inputs
 template <typename T>
-__device__ __forceinline__ float dot8(uint4 w, uint4 x, float sum) {
+__device__ __forceinline__ float dot8(uint4 w, const float* x, float sum) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 a = pair(ws[i], T{}), b = pair(xs[i], T{});
-    sum = fmaf(a.x, b.x, sum);
-    sum = fmaf(a.y, b.y, sum);
+    const float2 a = pair(ws[i], T{});
+    sum = fmaf(a.x, x[2 * i], sum);
+    sum = fmaf(a.y, x[2 * i + 1], sum);
   }
   return sum;
 }
 
-// row (length len, a multiple of STEP, 16-byte aligned) . v, summed over the quarter warp's 8
-// lanes (lane & 7 = col), which together cover the row. The next STEPS steps' weights are loaded
-// before this group's sums, so a group's loads are in flight while the last one is summed
-// (loaded and used in one loop, ptxas kept half of them waiting on the first FMA).
+// lane's UNROLL chunks from k on: each row's 16 bytes and v's, zeros past len
 template <typename T>
-__device__ __forceinline__ float row_dot(const T* row, const T* v, int len, int col) {
-  row += col * 8;
-  v += col * 8;
-  const int steps = len / STEP;
-  uint4 next[STEPS];
+__device__ __forceinline__ void load_chunks(const T* const (&rows)[ROWS], const T* v, int len,
+                                            int k, uint4 (&w)[UNROLL][ROWS],
+                                            uint4 (&x)[UNROLL]) {
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s)
-    next[s] = s < steps ? load_stream(row + s * STEP) : make_uint4(0, 0, 0, 0);
-  float sum = 0.f;
-  for (int g = 0; g < steps; g += STEPS) {
-    uint4 w[STEPS], x[STEPS];
+  for (int u = 0; u < UNROLL; ++u) {
+    const int at = k + u * CHUNK;
+    x[u] = at < len ? __ldg(reinterpret_cast<const uint4*>(v + at)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      w[s] = next[s];
-      x[s] = g + s < steps ? __ldg(reinterpret_cast<const uint4*>(v + (g + s) * STEP))
-                           : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s)
-      next[s] = g + STEPS + s < steps ? load_stream(row + (g + STEPS + s) * STEP)
-                                      : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) sum = dot8<T>(w[s], x[s], sum);  // zeros past the row add 0
+    for (int r = 0; r < ROWS; ++r)
+      w[u][r] = at < len ? load_stream(rows[r] + at) : make_uint4(0, 0, 0, 0);
   }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  return sum;
+}
+
+// rows[r] . v for the warp's ROWS rows (len values each, a multiple of 8, 16-byte aligned),
+// summed over the warp: every lane gets them. The next UNROLL chunks are loaded before this
+// step's sums, so that loads are in flight while they run (loaded and used in one loop, ptxas
+// kept half of them waiting on the first FMA).
+template <typename T>
+__device__ __forceinline__ void rows_dot(const T* const (&rows)[ROWS], const T* v, int len,
+                                         int lane, float (&dots)[ROWS]) {
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  uint4 next_w[UNROLL][ROWS], next_x[UNROLL];
+  load_chunks<T>(rows, v, len, lane * 8, next_w, next_x);
+  for (int k0 = lane * 8; k0 < len; k0 += UNROLL * CHUNK) {
+    uint4 w[UNROLL][ROWS], xv[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      xv[u] = next_x[u];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) w[u][r] = next_w[u][r];
+    }
+    load_chunks<T>(rows, v, len, k0 + UNROLL * CHUNK, next_w, next_x);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const uint32_t xs[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+      float xf[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 b = pair(xs[i], T{});
+        xf[2 * i] = b.x, xf[2 * i + 1] = b.y;
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) acc[r] = dot8<T>(w[u][r], xf, acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], d);
+    dots[r] = acc[r];
+  }
 }
 
 // fp32 division as Triton's `/` compiles (div.full: a reciprocal and a multiply, about 2 ulp)
@@ -88,57 +113,62 @@ __device__ __forceinline__ float div_full(float a, float b) {
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_gate_up_kernel(MoeGemvParams p) {
-  const int lane = threadIdx.x & 31, quarter = (threadIdx.x >> 5) * 4 + (lane >> 3);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = blockIdx.y;
-  // this quarter's output (a CTA past the last one reads the last: the shuffles take every lane)
-  const int i = min(static_cast<int>(blockIdx.x) * (QUARTERS / 2) + (quarter >> 1), p.inter - 1);
-  const int64_t expert = p.ids[slot];
-  const T* gate_up = static_cast<const T*>(p.gate_up);
-  const int row = (quarter & 1) ? p.inter + i : i;  // gate rows, then up rows
-  const float dot = row_dot(gate_up + (expert * 2 * p.inter + row) * p.hidden,
-                            static_cast<const T*>(p.x), p.hidden, lane & 7);
-  __shared__ float dots[QUARTERS];
-  if ((lane & 7) == 0) dots[quarter] = dot;
-  __syncthreads();
-  const int out = blockIdx.x * (QUARTERS / 2) + threadIdx.x;
-  if (threadIdx.x < QUARTERS / 2 && out < p.inter) {
-    const float gate = rounded<T>(dots[2 * threadIdx.x]);
+  const T* gate_up = static_cast<const T*>(p.gate_up) + p.ids[slot] * 2 * p.inter * p.hidden;
+  const int i0 = blockIdx.x * GATE_UP_OUTS + warp * 2;  // this warp's outputs i0, i0 + 1
+  const T* rows[ROWS];  // gate i0, gate i0 + 1, up i0, up i0 + 1 (past the last: the last's)
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int i = min(i0 + (r & 1), p.inter - 1);
+    rows[r] = gate_up + static_cast<int64_t>(r < 2 ? i : p.inter + i) * p.hidden;
+  }
+  float dots[ROWS];
+  rows_dot<T>(rows, static_cast<const T*>(p.x), p.hidden, lane, dots);
+  const int out = i0 + lane;
+  if (lane < 2 && out < p.inter) {
+    const float gate = rounded<T>(lane ? dots[1] : dots[0]);
     const float silu = rounded<T>(div_full(gate, 1.f + __expf(-gate)));
-    const float up = rounded<T>(dots[2 * threadIdx.x + 1]);
+    const float up = rounded<T>(lane ? dots[3] : dots[2]);
     store(static_cast<T*>(p.act) + slot * p.inter + out, silu * up);
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
-  const int lane = threadIdx.x & 31, quarter = (threadIdx.x >> 5) * 4 + (lane >> 3);
-  const int outs = QUARTERS / p.top_k;  // outputs a CTA takes
-  // (past the last output: the last one's row, as in the gate_up kernel)
-  const int n = min(static_cast<int>(blockIdx.x) * outs + quarter / p.top_k, p.hidden - 1);
-  const int slot = quarter % p.top_k;
-  const T* down = static_cast<const T*>(p.down);
-  const float dot = row_dot(down + (p.ids[slot] * p.hidden + n) * p.inter,
-                            static_cast<const T*>(p.act) + slot * p.inter, p.inter, lane & 7);
-  __shared__ float dots[QUARTERS];
-  if ((lane & 7) == 0) dots[quarter] = dot;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n0 = blockIdx.x * ROWS;  // this CTA's outputs n0 .. n0 + ROWS - 1
+  __shared__ float dots[QUARTERS][ROWS];  // [slot][output]
+  for (int slot = warp; slot < p.top_k; slot += WARPS) {
+    const T* down = static_cast<const T*>(p.down) + p.ids[slot] * p.hidden * p.inter;
+    const T* rows[ROWS];  // (past the last output: the last's row)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      rows[r] = down + static_cast<int64_t>(min(n0 + r, p.hidden - 1)) * p.inter;
+    float d[ROWS];
+    rows_dot<T>(rows, static_cast<const T*>(p.act) + slot * p.inter, p.inter, lane, d);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) dots[slot][r] = d[r];
+    }
+  }
   __syncthreads();
-  const int out = blockIdx.x * outs + threadIdx.x;
-  if (threadIdx.x < outs && out < p.hidden) {
+  const int out = n0 + threadIdx.x;
+  if (threadIdx.x < ROWS && out < p.hidden) {
     const T* weights = static_cast<const T*>(p.weights);
     float total = 0.f;
     for (int j = 0; j < p.top_k; ++j)  // slots in order (torch's sum over k may reorder them:
                                        // a float32 sum of k rounded values, rarely apart)
-      total += rounded<T>(dots[threadIdx.x * p.top_k + j] * to_float(weights[j]));
+      total += rounded<T>(dots[j][threadIdx.x] * to_float(weights[j]));
     store(static_cast<T*>(p.y) + out, total);
   }
 }
 
 template <typename T>
 void launch(const MoeGemvParams& p, cudaStream_t stream) {
-  const dim3 gate_up_grid((p.inter + QUARTERS / 2 - 1) / (QUARTERS / 2), p.top_k);
+  const dim3 gate_up_grid((p.inter + GATE_UP_OUTS - 1) / GATE_UP_OUTS, p.top_k);
   moe_gate_up_kernel<T><<<gate_up_grid, THREADS, 0, stream>>>(p);
-  const int outs = QUARTERS / p.top_k;
-  moe_down_kernel<T><<<(p.hidden + outs - 1) / outs, THREADS, 0, stream>>>(p);
+  moe_down_kernel<T><<<(p.hidden + ROWS - 1) / ROWS, THREADS, 0, stream>>>(p);
 }
 
 }  // namespace
