@@ -232,7 +232,8 @@ for w in $what; do
       grep -E "^(awq|fp8) |gemv_kernel|Duration|DRAM Thr|L2 Cache Thr|Achieved Occ|Registers Per|Waves|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc A|Issue Slots Busy|==ERROR" \
         "$OUT/gemv_ncu.log" ;;
     gemvstages)  # issue 36: each one-row GEMV beside kernels that only read its bytes (its own
-                 # pattern, and contiguous runs): arithmetic or access pattern? (about a minute)
+                 # pattern: all its loads, the weight's alone, the weight's and x's; contiguous
+                 # runs): arithmetic, x or access pattern? (about a minute)
       run python3 tools/probes/gemv_stages.py 2>&1 | grep -v "it/s" | tee "$OUT/gemv_stages.log" ;;
     onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
                  # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine
