@@ -94,8 +94,8 @@ def test_the_shapes_each_kernel_takes():
 @pytest.mark.parametrize("sms", [1, 78, 114, 132, 142])
 def test_the_split_keeps_every_cta_resident(sms):
     """num_splits: at most a unit (a group, a step) a CTA, SPLITS_CAP, and the CTAs that stay
-    resident over all slices, at least one, the most of those; Qwen3-8B's AWQ layers on 132
-    SMs as the docstring says."""
+    resident over all slices, at least one, the most of those; Qwen3-8B's AWQ and FP8 layers
+    on 132 SMs as the docstring says."""
     for slices, units, per_sm in ((16, 32, 4), (24, 32, 4), (96, 32, 4), (16, 96, 4),
                                   (2, 16, 4), (1, 1, 4), (300, 8, 4), (256, 32, 8),
                                   (1, 224, 8), (16, 86, 4)):
@@ -107,6 +107,10 @@ def test_the_split_keeps_every_cta_resident(sms):
     if sms == 132:
         assert [cuda_gemv.num_splits(s, g, cuda_gemv.AWQ_CTAS_PER_SM * 132) for s, g in
                 ((16, 32), (24, 32), (96, 32), (16, 96))] == [16, 16, 4, 16]
+        fp8 = cuda_gemv.FP8_CTAS_PER_SM * 132  # 32 outputs a CTA: qkv, o, gate_up, down
+        assert [cuda_gemv.num_splits(n // cuda_gemv.FP8_OUTS, k // cuda_gemv.FP8_STEP, fp8)
+                for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == \
+            [4, 6, 1, 6]
 
 
 def test_a_split_asked_for_is_held_to_a_unit_a_cta_and_max_splits(monkeypatch):

@@ -112,7 +112,8 @@ def num_splits(slices: int, units: int, resident: int) -> int:
     128-input steps; runs differ by at most one unit): as many as keep every CTA of the launch
     resident at once (`resident` CTAs), at most `units` and SPLITS_CAP, at least one. Qwen3-8B
     in AWQ on 132 SMs (396 resident): o (16 slices, 32 groups) 16; qkv (24, 32) 16; gate_up
-    (96, 32) 4; down (16, 96) 16."""
+    (96, 32) 4; down (16, 96) 16. In FP8 (792 resident, 32 outputs a slice): qkv 4, o 6,
+    gate_up 1, down 6."""
     return max(1, min(units, SPLITS_CAP, resident // slices))
 
 
