@@ -10,6 +10,10 @@
 # GPU_TESTS for tests; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
+# A/B of a kernel on one machine: copy the earlier source into an untracked, not ignored file
+# here (it travels with the tree), then copy it over the kernel between the two timings (a
+# changed source rebuilds). The device's git HEAD need not be yours: in session 29 `git show
+# HEAD:` there gave the session's first commit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
