@@ -23,27 +23,16 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's shapes and timing
 from bench_quant import SHAPES, SPAN, graph_time_us, weights  # noqa: E402
+from gemv_build import build  # noqa: E402  (tools/probes/)
 
 from nanoserve.quant import QuantConfig, cuda_gemv  # noqa: E402
 from nanoserve.quant.formats import dequantize  # noqa: E402
 from nanoserve.quant.triton_gemm import split_buffers  # noqa: E402
 
-QUANT_CSRC = Path(cuda_gemv.__file__).parent / "csrc"  # gemv_split.cuh
-ONE_ROW_CSRC = QUANT_CSRC.parents[1] / "csrc"  # one_row.cuh
-
 CUDA = r"""
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <torch/extension.h>
-#include <cuda_fp16.h>
-#include <cstdint>
-
-#include "gemv_split.cuh"
-
 namespace {
 
 using one_row::load_stream;
@@ -225,9 +214,7 @@ def main() -> None:
     torch.manual_seed(0)
     if not cuda_gemv.load():
         sys.exit("the one-row CUDA kernels did not build here")
-    ext = load_inline("nanoserve_probe_awq_half2", cpp_sources=CPP, cuda_sources=CUDA,
-                      functions=["awq_half2_launch"], extra_cuda_cflags=["-O3"],
-                      extra_include_paths=[str(QUANT_CSRC), str(ONE_ROW_CSRC)])
+    ext = build("nanoserve_probe_awq_half2", CPP, CUDA, ["awq_half2_launch"])
     print(f"{torch.cuda.get_device_name()}: x bf16, scales fp16, group 128; errors against "
           "float64 over its largest output, x ~ N(0, 1) / with entries at 3e4")
     for name in args.shapes.split(","):

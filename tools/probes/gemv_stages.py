@@ -19,25 +19,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's shapes and timing
 from bench_quant import SHAPES, SPAN, copy_rate_gbs, graph_time_us, weights  # noqa: E402
+from gemv_build import build  # noqa: E402  (tools/probes/)
 
 from nanoserve.quant import cuda_gemv  # noqa: E402
 from nanoserve.quant.triton_gemm import split_buffers  # noqa: E402
 
-QUANT_CSRC = Path(cuda_gemv.__file__).parent / "csrc"  # gemv_split.cuh
-ONE_ROW_CSRC = QUANT_CSRC.parents[1] / "csrc"  # one_row.cuh
-
 CUDA = r"""
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <torch/extension.h>
-#include <cstdint>
-
-#include "gemv_split.cuh"
-
 namespace {
 
 using one_row::load_stream;
@@ -263,10 +253,8 @@ def main() -> None:
     torch.manual_seed(0)
     if not cuda_gemv.load():
         sys.exit("the one-row CUDA kernels did not build here")
-    ext = load_inline("nanoserve_probe_gemv_stages", cpp_sources=CPP, cuda_sources=CUDA,
-                      functions=["awq_read_launch", "fp8_read_launch", "contiguous_read_launch"],
-                      extra_cuda_cflags=["-O3"], extra_include_paths=[str(QUANT_CSRC),
-                                                                      str(ONE_ROW_CSRC)])
+    ext = build("nanoserve_probe_gemv_stages", CPP, CUDA,
+                ["awq_read_launch", "fp8_read_launch", "contiguous_read_launch"])
     rate = copy_rate_gbs()
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s (warmed)")
