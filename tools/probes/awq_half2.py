@@ -7,7 +7,7 @@ small integers), one HFMA2 adds x (q - z) for two outputs; a pair's 8 rows of a 
 fp16 (one HFMA2 a row), then widened and scaled into float32 once a group: about 2.4
 instructions an element. x is converted to fp16 times 2^-XSHIFT (exact in fp16's range; the
 shift keeps x's largest values and a pair's sums of 8 products of up to 15 |x| from overflowing:
-XSHIFT 8 takes |x| up to 5e5, at 2^-16 absolute steps of x below 2^-6).
+XSHIFT 8 takes |x| up to about 1.4e5, at 2^-16 absolute steps of x below 2^-6).
 
 Per Qwen3-8B layer: the engine's kernel and the candidate at XSHIFT 0 and 8, in CUDA graphs over
 copies of the weight past L2 (us), and each one's largest difference from float64's product with
