@@ -25,7 +25,7 @@ import torch
 from nanoserve.extensions import one_row_module
 
 CSRC = Path(__file__).parent / "csrc"
-QUARTERS = 16  # top k must divide it (the down kernel's dots a CTA)
+MAX_SLOTS = 16  # top k must divide it (the down kernel keeps 16 slots' dots a CTA)
 STEP = 64  # hidden and intermediate sizes are multiples of it (the kernels' launch check)
 HALF = (torch.bfloat16, torch.float16)
 
@@ -52,7 +52,7 @@ def shape_ok(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up:
         return False
     (t, k), (e, inter2, hidden) = ids.shape, gate_up.shape
     inter = inter2 // 2
-    return (t == 1 and k >= 1 and QUARTERS % k == 0 and x.shape == (1, hidden) and
+    return (t == 1 and k >= 1 and MAX_SLOTS % k == 0 and x.shape == (1, hidden) and
             x.dtype in HALF and gate_up.dtype == down.dtype == weights.dtype == x.dtype and
             ids.dtype == torch.int64 and weights.shape == ids.shape and
             hidden % STEP == 0 and inter > 0 and inter % STEP == 0 and inter2 == 2 * inter and

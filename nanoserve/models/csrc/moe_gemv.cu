@@ -21,7 +21,7 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int QUARTERS = 16;     // top k divides it (cuda_moe.py checks): down's dots a CTA
+constexpr int MAX_SLOTS = 16;    // top k divides it (cuda_moe.py checks): down's dots a CTA
 constexpr int STEP = 64;         // hidden and intermediate sizes are multiples of it
 constexpr int ROWS = 4;          // rows a warp reads together
 constexpr int CHUNK = 32 * 8;    // values a warp reads a load: 8 a lane
@@ -138,7 +138,7 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * ROWS;  // this CTA's outputs n0 .. n0 + ROWS - 1
-  __shared__ float dots[QUARTERS][ROWS];  // [slot][output]
+  __shared__ float dots[MAX_SLOTS][ROWS];  // [slot][output]
   for (int slot = warp; slot < p.top_k; slot += WARPS) {
     const T* down = static_cast<const T*>(p.down) + p.ids[slot] * p.hidden * p.inter;
     const T* rows[ROWS];  // (past the last output: the last's row)
@@ -174,7 +174,7 @@ void launch(const MoeGemvParams& p, cudaStream_t stream) {
 }  // namespace
 
 const char* moe_gemv_launch(const MoeGemvParams& p, cudaStream_t stream) {
-  if (p.top_k < 1 || QUARTERS % p.top_k) return "MoE GEMV: top k must divide 16";
+  if (p.top_k < 1 || MAX_SLOTS % p.top_k) return "MoE GEMV: top k must divide 16";
   if (p.hidden % STEP || p.inter % STEP) return "MoE GEMV: sizes must be multiples of 64";
   if (p.bf16)
     launch<__nv_bfloat16>(p, stream);
