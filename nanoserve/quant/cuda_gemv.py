@@ -5,17 +5,20 @@ Triton's kernels run (quant/triton_gemm.py; `one_row` returns None).
 
 Both read the weight in whole contiguous 128-byte row segments, 16 bytes a lane, several loads
 in flight (AWQ: a quarter warp a row; FP8: a warp 512 bytes of one row, x loaded once a chunk for
-the warp's 8 rows); a lane's values widened to floats (AWQ: two nibbles through bf16's bit
-pattern in two bit operations; e4m3: two in one `cvt`), one FMA an element; K split over CTAs
-and the parts summed in a fixed order by the last CTA of each slice of outputs
-(gemv_split.cuh). Triton's GEMVs ran at 2.4-4.0x the weights' floor (AWQ) and about 2.0 TB/s
-(FP8) per layer on an H100 (sessions 21-22).
+the warp's 8 rows). AWQ's products run in packed fp16 (two nibbles become two fp16 1024 + q in
+one LOP3, the zero point comes off in one HSUB2, one HFMA2 adds x (q - z) for both; x enters
+fp16 times 2^-8, a group's sums are widened and scaled in float32); e4m3 becomes two floats in
+one `cvt`, one FMA an element. K is split over CTAs and the parts summed in a fixed order by
+the last CTA of each slice of outputs (gemv_split.cuh). Triton's GEMVs ran at 2.4-4.0x the
+weights' floor (AWQ) and about 2.0 TB/s (FP8) per layer on an H100 (sessions 21-22).
 
 On an H100 (session 27, Qwen3-8B's layers): AWQ 1.35-2.62x the weights' floor against Triton's
 2.39-3.77x (TPOT 5.08 against 6.66 ms; 5.07-5.10 with session 28's split cap). FP8 on an H200
 (session 29, us, this kernel against the quarter-warp form that loaded x for each row): qkv
 11.1 / 14.1, o 10.5 / 12.0, gate_up 26.6 / 37.6, down 16.6 / 20.3; Qwen3-8B-FP8 batch-1 TPOT at
-32K 4.39 against 5.06 ms.
+32K 4.39 against 5.06 ms. AWQ's fp16 products on an H200 (session 30, against float32 ones):
+qkv 10.6 / 11.6 us, o 8.7 / 9.6, gate_up 21.9 / 26.0, down 14.5 / 16.6; Qwen3-8B-AWQ TPOT
+3.97-3.99 against 4.28-4.30 ms.
 NANOSERVE_ONE_ROW_CUDA=0 (nanoserve/extensions.py) leaves Triton's."""
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, FP8_OUTS = 256, 32  # outputs a CTA owns (the kernels')
 AWQ_GROUPS = (32, 64, 128)  # group sizes the AWQ kernel is built for
 FP8_STEP = 128  # the FP8 split's unit; scale blocks must not cross one
+# the fewest steps an FP8 CTA takes (8 x 128 inputs x 32 outputs, AWQ's one group's weights).
+# Qwen3-8B-FP8's o (4,096 x 4,096) at 4 / 6 splits: 8.8 / 10.6 us on an H200, 10.3 / 11.9 on an
+# H100 (session 30); qkv's and down's choices (4, 6) were already the fastest
+FP8_MIN_STEPS = 8
 # CTAs an SM that a K split aims at (all resident at once): 128 threads a CTA, FP8's at 80
 # registers a thread (6 an SM), AWQ's at 168 (3 an SM)
 AWQ_CTAS_PER_SM, FP8_CTAS_PER_SM = 3, 6
@@ -107,14 +114,14 @@ def fp8_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             scale_row.is_contiguous() and _aligned(x, w))
 
 
-def num_splits(slices: int, units: int, resident: int) -> int:
+def num_splits(slices: int, units: int, resident: int, min_units: int = 1) -> int:
     """CTAs a slice of outputs' K is split over, each a run of whole units (AWQ's groups, FP8's
     128-input steps; runs differ by at most one unit): as many as keep every CTA of the launch
-    resident at once (`resident` CTAs), at most `units` and SPLITS_CAP, at least one. Qwen3-8B
-    in AWQ on 132 SMs (396 resident): o (16 slices, 32 groups) 16; qkv (24, 32) 16; gate_up
-    (96, 32) 4; down (16, 96) 16. In FP8 (792 resident, 32 outputs a slice): qkv 4, o 6,
-    gate_up 1, down 6."""
-    return max(1, min(units, SPLITS_CAP, resident // slices))
+    resident at once (`resident` CTAs), at most SPLITS_CAP and one a `min_units` units, at least
+    one. Qwen3-8B in AWQ on 132 SMs (396 resident): o (16 slices, 32 groups) 16; qkv (24, 32)
+    16; gate_up (96, 32) 4; down (16, 96) 16. In FP8 (792 resident, 32 outputs a slice, 8
+    steps a CTA): qkv 4, o 4, gate_up 1, down 6."""
+    return max(1, min(units // min_units, SPLITS_CAP, resident // slices))
 
 
 def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Tensor | None:
@@ -145,7 +152,7 @@ def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torc
     dtype. See awq_shape_ok; `splits` as one_row's."""
     k, n = w.shape[0], scales.shape[-1]
     slices = -(-n // AWQ_OUTS)
-    split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, x)
+    split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, 1, x)
     return _launch("awq_gemv", x, n, slices, split, w, zeros, scales, group=group)
 
 
@@ -155,17 +162,17 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: 
     scale_cols]: y [1, N] in x's dtype. See fp8_shape_ok; `splits` as one_row's."""
     n, k = w.shape
     slices = -(-n // FP8_OUTS)
-    split = _split(splits, slices, k // FP8_STEP, FP8_CTAS_PER_SM, x)
+    split = _split(splits, slices, k // FP8_STEP, FP8_CTAS_PER_SM, FP8_MIN_STEPS, x)
     return _launch("fp8_gemv", x, n, slices, split, w, scales, scale_row,
                    scale_cols=min(scale_cols, 1 << 30))
 
 
-def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int,
+def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int, min_units: int,
            x: torch.Tensor) -> int:
     """num_splits' choice, or `splits` held to 1..min(units, MAX_SPLITS) (each CTA needs a
     unit)."""
     if splits is None:
-        return num_splits(slices, units, ctas_per_sm * _num_sms(x.device.index or 0))
+        return num_splits(slices, units, ctas_per_sm * _num_sms(x.device.index or 0), min_units)
     return max(1, min(splits, units, MAX_SPLITS))
 
 

@@ -209,10 +209,12 @@ def splits_of(fmt: str, n: int, k: int) -> tuple[int, int, int]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if fmt == "awq":
         slices, units, per_sm = -(-n // cuda_gemv.AWQ_OUTS), k // 128, cuda_gemv.AWQ_CTAS_PER_SM
+        least = 1
     else:
         slices, units, per_sm = -(-n // cuda_gemv.FP8_OUTS), k // cuda_gemv.FP8_STEP, \
             cuda_gemv.FP8_CTAS_PER_SM
-    return slices, cuda_gemv.num_splits(slices, units, per_sm * sms), per_sm
+        least = cuda_gemv.FP8_MIN_STEPS
+    return slices, cuda_gemv.num_splits(slices, units, per_sm * sms, least), per_sm
 
 
 def time_layer(ext, fmt: str, name: str, rate: float, sink: torch.Tensor) -> str:
