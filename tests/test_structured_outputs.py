@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 import torch
 from helpers import make_llm
@@ -15,6 +14,8 @@ from nanoserve import SamplingParams
 from nanoserve.engine.sampler import apply_allowed
 from nanoserve.errors import InvalidParameter
 from nanoserve.structured_outputs import StructuredOutputs
+
+jsonschema = pytest.importorskip("jsonschema")  # a test dependency (pyproject's dev extra)
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
