@@ -1,6 +1,7 @@
-"""What the one-row GEMV probes share (gemv_stages.py; session 29's awq_half2.py): a probe's CUDA source built
-through torch's load_inline with the engine's one-row headers (gemv_split.cuh's split ending,
-one_row.cuh's loads and conversions) and torch's stream and launch checks included."""
+"""What the one-row GEMV probes share (gemv_stages.py; session 29's awq_half2.py): a probe's
+CUDA source built through torch's load_inline with the engine's one-row headers
+(gemv_split.cuh's split ending, one_row.cuh's loads and conversions) and torch's stream and
+launch checks included."""
 
 from __future__ import annotations
 

@@ -35,10 +35,19 @@
 
 namespace {
 
-constexpr int WARPS = 4;
+// warps a CTA and the CTAs an SM its registers are held to: macros so that
+// tools/probes/awq_variants.py can build and time other shapes of the same kernel
+#ifndef AWQ_WARPS
+#define AWQ_WARPS 4
+#endif
+#ifndef AWQ_CTAS_PER_SM
+#define AWQ_CTAS_PER_SM 3
+#endif
+constexpr int WARPS = AWQ_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int OUTS = 256;             // outputs a CTA owns
 constexpr int ROW_SLOTS = WARPS * 4;  // rows the CTA reads a step, one a quarter warp
+static_assert(32 % ROW_SLOTS == 0, "every group size a whole number of steps");
 
 using one_row::load_stream;
 using one_row::to_float;
@@ -65,7 +74,7 @@ __device__ __forceinline__ uint32_t two_nibbles(uint32_t w, uint32_t magic) {
 }
 
 template <typename XT, typename ST, int STEPS>
-__global__ void __launch_bounds__(THREADS, 3) awq_gemv_kernel(AwqGemvParams p) {
+__global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqGemvParams p) {
   constexpr int GROUP = STEPS * ROW_SLOTS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = warp * 4 + (lane >> 3);  // this thread's row within a step
@@ -174,9 +183,9 @@ template <typename XT, typename ST>
 const char* launch_group(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
   void (*kernel)(AwqGemvParams) = nullptr;
   switch (p.group) {
-    case 32: kernel = awq_gemv_kernel<XT, ST, 2>; break;
-    case 64: kernel = awq_gemv_kernel<XT, ST, 4>; break;
-    case 128: kernel = awq_gemv_kernel<XT, ST, 8>; break;
+    case 32: kernel = awq_gemv_kernel<XT, ST, 32 / ROW_SLOTS>; break;
+    case 64: kernel = awq_gemv_kernel<XT, ST, 64 / ROW_SLOTS>; break;
+    case 128: kernel = awq_gemv_kernel<XT, ST, 128 / ROW_SLOTS>; break;
     default: return "AWQ GEMV: group size must be 32, 64 or 128";
   }
   one_row::launch(kernel, grid, dim3(THREADS), stream, p.pdl, p);
