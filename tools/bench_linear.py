@@ -2,7 +2,8 @@
 matmul (nanoserve/models/triton_linear.py) and its tile settings, per weight shape, in CUDA
 graphs, as time and fraction of the device-memory floor (the weight's bytes). Usage (GPU):
     python tools/bench_linear.py [--rows 1,4,16] [--hbm-gbs 4229] [--silu]
-Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head. --silu times, at one row, down with the
+Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head (and Qwen3-30B-A3B's by name: moe_qkv,
+moe_o, moe_router, moe_lm_head). --silu times, at one row, down with the
 SiLU-multiply in its kernel against inductor's SiLU-multiply kernel followed by the matmul.
 cuBLAS is also timed with a (zero) bias, which torch sends to cuBLASLt's bias epilogue, and
 with cuBLASLt as torch's preferred BLAS library.
@@ -26,6 +27,10 @@ from nanoserve.models.triton_linear import (
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
+# Qwen3-30B-A3B's dense layers (--shapes moe_qkv,moe_o,moe_router: the batch-1 step outside its
+# experts runs about 34 us a layer against about 10 of bytes; docs/perf-notes.md session 30)
+MOE_SHAPES = {"moe_qkv": (5120, 2048), "moe_o": (2048, 4096), "moe_router": (128, 2048),
+              "moe_lm_head": (151936, 2048)}
 
 
 def timed(fn) -> float:
@@ -63,7 +68,7 @@ def main() -> None:
     per_layer = {}
     for rows in map(int, args.rows.split(",")):
         for name in args.shapes.split(","):
-            n, k = SHAPES[name]
+            n, k = {**SHAPES, **MOE_SHAPES}[name]
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             floor = n * k * 2 / args.hbm_gbs / 1e3
@@ -94,7 +99,7 @@ def main() -> None:
                   f"max err {err:.2e} (cuBLAS {err_cublas:.2e})", flush=True)
             for us2, tiles in results[1:4]:
                 print(f"{'':24s} next {tiles} {us2:7.1f} us ({floor / us2:.0%})")
-            if name != "lm_head":
+            if not name.endswith("lm_head"):
                 per_layer.setdefault(rows, [0.0, 0.0])
                 per_layer[rows][0] += cublas
                 per_layer[rows][1] += us
