@@ -15,8 +15,6 @@ from nanoserve.engine.sampler import apply_allowed
 from nanoserve.errors import InvalidParameter
 from nanoserve.structured_outputs import StructuredOutputs
 
-jsonschema = pytest.importorskip("jsonschema")  # a test dependency (pyproject's dev extra)
-
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -31,6 +29,9 @@ def llm():
 
 
 def valid(text: str, schema: dict) -> bool:
+    """Whether text is JSON that validates against schema; a test using it skips where
+    jsonschema (a test dependency, pyproject's dev extra) is not installed."""
+    jsonschema = pytest.importorskip("jsonschema")
     try:
         jsonschema.validate(json.loads(text), schema)
     except (ValueError, jsonschema.ValidationError):
