@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,12 @@ def plus_1024(words: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2)
 
 
+def fp16(t: torch.Tensor) -> torch.Tensor:
+    """float64 rounded to the nearest fp16 once (numpy's conversion; torch's goes through
+    float32, rounding twice), back in float64."""
+    return torch.from_numpy(t.numpy().astype(np.float16)).double()
+
+
 def awq_kernel_emulated(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                         scales: torch.Tensor, group: int) -> torch.Tensor:
     """The kernel's products (awq_gemv.cu) for x [K]: x 2^-8 in fp16; the 16 row slots of a
@@ -34,11 +41,11 @@ def awq_kernel_emulated(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Te
     q, z = plus_1024(qweight), plus_1024(qzeros)  # [K, N], [groups, N]
     k, n = q.shape
     d = (q.view(-1, group, n) - z[:, None]).double()  # HSUB2: small integers, exact
-    xh = (x * 2.0**-8).half().double().view(-1, group // 16, 16)  # [groups, steps, slot]
+    xh = fp16(x * 2.0**-8).view(-1, group // 16, 16)  # [groups, steps, slot]
     d = d.view(-1, group // 16, 16, n)
     acc = torch.zeros(k // group, 16, n, dtype=torch.float64)
     for step in range(group // 16):  # exact in float64, then one rounding: fp16's FMA
-        acc = (xh[:, step, :, None] * d[:, step] + acc).half().double()
+        acc = fp16(xh[:, step, :, None] * d[:, step] + acc)
     return (scales.double() * 2.0**8 * acc.sum(1)).sum(0)
 
 
