@@ -82,7 +82,8 @@ def test_transformers_own_reading_of_an_fp8_checkpoint_gives_the_same_logits(sou
 
 def test_the_weights_stay_quantized_in_memory(quantized):
     """The linear layers hold their checkpoint's tensors (fp8 or packed int32, a quarter or a
-    half of float32's bytes with the scales), and the model's memory counts them so."""
+    half of float32's bytes with the scales; GPTQ in order repacked as AWQ's, act-order GPTQ
+    as it is), and the model's memory counts them so."""
     name, path, _ = quantized
     model = make_llm(path, page_size=8).engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
@@ -94,7 +95,47 @@ def test_the_weights_stay_quantized_in_memory(quantized):
     assert held < dense * (0.3 if "fp8" in name else 0.2), held / dense
     cfg = ModelConfig.from_dir(path)
     want = sum(p.numel() * p.element_size() for p in model.parameters())
+    # GPTQ in order runs as AWQ (formats.gptq_as_awq): its g_idx, counted by the plan, is gone
+    repacked = [m for m in model.modules() if isinstance(m, QuantizedLinear) and
+                cfg.quantization.method == "gptq" and m.quant.method == "awq"]
+    assert bool(repacked) == (name == "gptq group 32"), name
+    want += sum(len(m.shard_sizes) * m.in_features * 4 for m in repacked)
     assert model_bytes(cfg, torch.float32, 0, tp=1) == want
+
+
+@pytest.mark.parametrize("v2", [False, True])
+@pytest.mark.parametrize("group", [32, 128])
+def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch):
+    """formats.gptq_as_awq: GPTQ tensors with groups in order (v1 zero points stored less one,
+    v2 as they are; two outputs' shards side by side) as AWQ's dequantize to the same values
+    exactly, repacked in chunks of a few rows too; a v1 zero point stored as 15 (read as 16)
+    is left as GPTQ."""
+    from nanoserve.quant import formats
+    k, n = 512, 96
+    gen = torch.Generator().manual_seed(group + v2)
+    gptq = QuantConfig("gptq", group_size=group, zeros_less_one=not v2)
+    t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32,
+                                   generator=gen),
+             qzeros=torch.randint(0, 15 if not v2 else 16, (k // group, n), generator=gen),
+             scales=torch.rand(k // group, n, generator=gen).half(),
+             g_idx=(torch.arange(k) // group).int())
+    t["qzeros"] = formats._pack(t["qzeros"], 1)
+    want = formats.dequantize(gptq, t, n, k, torch.float64)
+    awq = QuantConfig("awq", group_size=group)
+    for chunk in (formats.GPTQ_REPACK_BYTES, 32 * n * 3):  # one chunk; 3 words of rows each
+        monkeypatch.setattr(formats, "GPTQ_REPACK_BYTES", chunk)
+        qweight, qzeros = formats.gptq_as_awq(gptq, t["qweight"], t["qzeros"])
+        assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
+        got = formats.dequantize(awq, dict(qweight=qweight, qzeros=qzeros, scales=t["scales"]),
+                                 n, k, torch.float64)
+        assert torch.equal(got, want), chunk
+    ints = torch.randint(0, 16, (16, 24), generator=gen)
+    assert torch.equal(formats._unpack(formats._pack(ints, 1, formats.AWQ_ORDER), 1,
+                                       formats.AWQ_ORDER), ints)
+    if not v2:
+        fifteen = formats._unpack(t["qzeros"], 1)
+        fifteen[0, 5] = 15
+        assert formats.gptq_as_awq(gptq, t["qweight"], formats._pack(fifteen, 1)) is None
 
 
 def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
@@ -107,6 +148,8 @@ def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
             f.unlink()
         llm = make_llm(path, dummy_weights=True, page_size=8)
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        # dummy GPTQ's groups run in order: it runs as AWQ, as such a checkpoint would
+        assert qkv.quant.method == ("awq" if method == "gptq" else method), method
         w = qkv.dequantized(torch.float32)
         assert 0.01 < w.std().item() < 0.04, (method, w.std().item())
         out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -244,6 +244,8 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
                  or (isinstance(m, Experts) and m.quant is not None)}
     for name in sorted(quantized):
         modules[name].fill_dummy(gen)
+        if isinstance(modules[name], QuantizedLinear):
+            modules[name].finish_loading(name)
     for name, p in model.named_parameters():
         if name.rsplit(".", 1)[0] in quantized:
             continue

@@ -12,7 +12,9 @@ not fill whole blocks), so each shard dequantizes alone.
   qzeros int32 [k / g, n / 8] packed alike; scales [k / g, n]; W[k, n] = (q - z) * s of k's group.
 - gptq: qweight int32 [k / 8, n], eight 4-bit inputs a word in order; qzeros int32 [k / g, n / 8],
   outputs in order, stored less one (checkpoint_format gptq); scales [k / g, n]; g_idx int32 [k],
-  each input's group (act-order permutes them), one per shard.
+  each input's group (act-order permutes them), one per shard. Groups in order (no act-order)
+  are the same weights as AWQ's with other packing: `gptq_as_awq` repacks them at load time, so
+  that AWQ's kernels run them.
 """
 
 from __future__ import annotations
@@ -136,6 +138,42 @@ def dequantize(q: QuantConfig, t: dict[str, torch.Tensor], n: int, k: int,
     zeros = _unpack(t["qzeros"], 1)[group] + (1 if q.zeros_less_one else 0)
     scales = t["scales"].float()[group]
     return ((ints - zeros).float() * scales).t().to(dtype)
+
+
+def _pack(ints: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
+          ) -> torch.Tensor:
+    """_unpack's inverse: 4-bit values [..., 8 m, ...] along `dim` -> int32 words [..., m, ...]
+    (position i of each eight in nibble order.index(i))."""
+    dim %= ints.dim()
+    shape = list(ints.shape)
+    shape[dim:dim + 1] = [shape[dim] // 8, 8]
+    grouped = ints.reshape(shape).to(torch.int64)
+    words = torch.zeros(1, dtype=torch.int64, device=ints.device)
+    for i in range(8):
+        words = words + (grouped.select(dim + 1, i) << (4 * order.index(i)))
+    return (words - (words >= 1 << 31).to(torch.int64) * (1 << 32)).to(torch.int32)
+
+
+GPTQ_REPACK_BYTES = 1 << 26  # unpacked values a chunk of gptq_as_awq holds at once (int32)
+
+
+@torch.no_grad()
+def gptq_as_awq(q: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GPTQ weight whose groups run in order (g_idx = input // group, checked by the caller)
+    as AWQ's (qweight [k, n / 8], qzeros [k / g, n / 8]; the scales are the same tensor): the
+    same weights, dequantize's values equal, where AWQ's kernels read them. None where AWQ's
+    layout cannot hold it: a v1 zero point stored as 15, which reads as 16 (see dequantize).
+    Works through k in chunks of GPTQ_REPACK_BYTES of unpacked values."""
+    zeros = _unpack(qzeros, 1) + (1 if q.zeros_less_one else 0)  # [groups, n]
+    if zeros.max().item() > 15:
+        return None
+    words, n = qweight.shape
+    rows = max(1, GPTQ_REPACK_BYTES // (32 * n))  # of qweight's words, 8 inputs each
+    awq = torch.empty(8 * words, n // 8, dtype=torch.int32, device=qweight.device)
+    for r in range(0, words, rows):
+        awq[8 * r:8 * (r + rows)] = _pack(_unpack(qweight[r:r + rows], 0), 1, AWQ_ORDER)
+    return awq, _pack(zeros, 1, AWQ_ORDER)
 
 
 def _packed(value: int) -> int:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.quant.config import QuantConfig
-from nanoserve.quant.formats import dequantize, fill_dummy, tensor_specs
+from nanoserve.quant.formats import dequantize, fill_dummy, gptq_as_awq, tensor_specs
 
 
 class QuantizedLinear(nn.Module):
@@ -54,11 +54,13 @@ class QuantizedLinear(nn.Module):
 
     @torch.no_grad()
     def finish_loading(self, name: str) -> None:
-        """After the checkpoint's tensors are in: GPTQ's g_idx numbered from this rank's first
-        group (under tensor parallelism a row-parallel rank holds a run of groups, the
-        checkpoint numbers them globally; at TP=1 this changes nothing). ValueError where the
-        rank's inputs reach groups it does not hold: a g_idx out of order (act-order) though
-        the config says desc_act false."""
+        """After the checkpoint's tensors (or dummy ones) are in: GPTQ's g_idx numbered from
+        this rank's first group (under tensor parallelism a row-parallel rank holds a run of
+        groups, the checkpoint numbers them globally; at TP=1 this changes nothing). ValueError
+        where the rank's inputs reach groups it does not hold: a g_idx out of order (act-order)
+        though the config says desc_act false. Then GPTQ whose groups run in order becomes
+        AWQ (formats.gptq_as_awq), whose kernels are faster (the one-row CUDA GEMV, the
+        tensor-core GEMM at few rows)."""
         if self.quant.method != "gptq":
             return
         self.g_idx -= self.g_idx.min()
@@ -66,6 +68,27 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"{name}: its g_idx reaches groups outside this rank's inputs (an "
                              f"act-order checkpoint whose config says desc_act false?); run it at "
                              f"tensor parallel size 1")
+        self._gptq_as_awq()
+
+    def _gptq_as_awq(self) -> None:
+        """The layer's GPTQ tensors repacked as AWQ's, and its format AWQ, where its groups run
+        in order over whole groups of inputs and AWQ's layout holds its zero points; g_idx then
+        goes (the memory plan, made from the checkpoint's tensors, counted its 4 bytes an
+        input)."""
+        q, k = self.quant, self.in_features
+        in_order = torch.arange(k, device=self.g_idx.device, dtype=self.g_idx.dtype) // \
+            q.group_size
+        if k % q.group_size or not all(torch.equal(g, in_order) for g in self.g_idx):
+            return
+        awq = gptq_as_awq(q, self.qweight, self.qzeros)
+        if awq is None:
+            return
+        self.qweight = nn.Parameter(awq[0], requires_grad=False)
+        self.qzeros = nn.Parameter(awq[1], requires_grad=False)
+        del self.g_idx
+        self.quant = QuantConfig("awq", group_size=q.group_size, skip=q.skip)
+        self.specs = [tensor_specs(self.quant, n, k, self.scales.dtype)
+                      for n in self.shard_sizes]
 
     def shard_view(self, name: str, shard: int) -> torch.Tensor:
         """Shard `shard`'s part of tensor `name` (what the checkpoint's q_proj.`name` fills)."""
