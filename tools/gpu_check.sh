@@ -2,18 +2,22 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks. Before spending device
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|testsrest|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
+#   bash tools/gpu_check.sh [tests|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
-# GPU_TESTS for tests; REPS and
+# GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
-# A/B of a kernel on one machine: copy the earlier source into an untracked, not ignored file
-# here (it travels with the tree), then copy it over the kernel between the two timings (a
-# changed source rebuilds). The device's git HEAD need not be yours: in session 29 `git show
-# HEAD:` there gave the session's first commit.
+# A/B of a kernel on one machine (step `ab`): copy the other version into an untracked, not
+# ignored file here (it travels with the tree; a changed source rebuilds), e.g.
+#   git show main:nanoserve/quant/csrc/awq_gemv.cu > ab_awq_main.cu
+#   AB_FILE=nanoserve/quant/csrc/awq_gemv.cu AB_OTHER=ab_awq_main.cu \
+#   AB_CMD="python3 bench_offload.py --model Qwen3-8B-AWQ --input-len 32768 --output-len 32 \
+#   --resident-graph" bash tools/gpu_check.sh ab
+# The device's git HEAD need not be yours: in session 29 `git show HEAD:` there gave the
+# session's first commit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -42,6 +46,16 @@ for w in $what; do
       run python3 -m pytest -q -rfE -m gpu "$@" -p no:cacheprovider -s --durations=30 \
         >"$OUT/pytest_$w.log" 2>&1
       tr '\r' '\n' <"$OUT/pytest_$w.log" | grep -E "^=== |[0-9]+ (passed|failed|skipped|errors?)|FAIL|Error|ERROR|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)|^[0-9.]+s (call|setup)" | tail -60 ;;
+    ab)  # AB_FILE's version here ("new") and AB_OTHER's ("old") alternately under AB_CMD, in
+         # AB_ORDER (default new old new old), each run's last AB_TAIL lines (default 3); AB_FILE
+         # is put back as it was
+      cp "$AB_FILE" /tmp/ab_new
+      for v in ${AB_ORDER:-new old new old}; do
+        if [ "$v" = old ]; then cp "$AB_OTHER" "$AB_FILE"; else cp /tmp/ab_new "$AB_FILE"; fi
+        run bash -c "$AB_CMD" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -"${AB_TAIL:-3}" \
+          | sed "s/^/$v /"
+      done
+      cp /tmp/ab_new "$AB_FILE" ;;
     kernels)  # the hand-written kernels against their references, and the engine on them
       run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py \
         tests/test_gpu_linear.py tests/test_gpu_rope_store.py tests/test_gpu_engine.py \
