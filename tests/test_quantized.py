@@ -107,9 +107,9 @@ def test_the_weights_stay_quantized_in_memory(quantized):
 @pytest.mark.parametrize("group", [32, 128])
 def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch):
     """formats.gptq_as_awq: GPTQ tensors with groups in order (v1 zero points stored less one,
-    v2 as they are; two outputs' shards side by side) as AWQ's dequantize to the same values
-    exactly, repacked in chunks of a few rows too; a v1 zero point stored as 15 (read as 16)
-    is left as GPTQ."""
+    v2 as they are) as AWQ's dequantize to the same values exactly, repacked in chunks of a few
+    rows too; a v1 zero point stored as 15 (read as 16) and a group size AWQ's GPU kernels are
+    not tested at (16) are left as GPTQ."""
     from nanoserve.quant import formats
     k, n = 512, 96
     gen = torch.Generator().manual_seed(group + v2)
@@ -136,20 +136,47 @@ def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch)
         fifteen = formats._unpack(t["qzeros"], 1)
         fifteen[0, 5] = 15
         assert formats.gptq_as_awq(gptq, t["qweight"], formats._pack(fifteen, 1)) is None
+    sixteen = QuantConfig("gptq", group_size=16, zeros_less_one=not v2)
+    assert formats.gptq_as_awq(sixteen, t["qweight"], t["qzeros"]) is None
+
+
+def test_gptq_layers_that_awqs_layout_cannot_hold_stay_gptq():
+    """QuantizedLinear.finish_loading leaves as GPTQ, with the same weights: inputs that are not
+    whole groups (48 inputs, groups of 32), groups out of order (act-order), one shard's
+    g_idx unlike another's; in order over whole groups it becomes AWQ, g_idx gone."""
+    gen = torch.Generator().manual_seed(0)
+    cases = {"whole groups": (64, None), "48 inputs": (48, None),
+             "act-order": (64, "permuted"), "shards differ": (64, "one shard permuted")}
+    for label, (k, g_idx) in cases.items():
+        layer = QuantizedLinear(k, [16, 8], False, QuantConfig("gptq", group_size=32),
+                                torch.float16)
+        layer.fill_dummy(gen)
+        if g_idx is not None:
+            layer.g_idx[-1] = layer.g_idx[-1][torch.randperm(k, generator=gen)]
+            if g_idx == "permuted":
+                layer.g_idx[0] = layer.g_idx[-1]
+        want = layer.dequantized(torch.float64)
+        layer.finish_loading(label)
+        assert layer.quant.method == ("awq" if label == "whole groups" else "gptq"), label
+        assert hasattr(layer, "g_idx") == (label != "whole groups"), label
+        assert torch.equal(layer.dequantized(torch.float64), want), label
 
 
 def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
     """--dummy-weights with a quantized config: random quantized tensors of about the dense
     dummy weights' spread, and a model that runs."""
-    for method, options in (("fp8_block", {}), ("awq", {"group": 32}), ("gptq", {"group": 32})):
-        path = tmp_path / method
+    for method, options in (("fp8_block", {}), ("awq", {"group": 32}), ("gptq", {"group": 32}),
+                            ("gptq", {"group": 32, "act_order": True})):
+        path = tmp_path / f"{method}{len(options)}"
         quantize_checkpoint(source, path, method, **options)
         for f in path.glob("*.safetensors"):
             f.unlink()
         llm = make_llm(path, dummy_weights=True, page_size=8)
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-        # dummy GPTQ's groups run in order: it runs as AWQ, as such a checkpoint would
-        assert qkv.quant.method == ("awq" if method == "gptq" else method), method
+        # dummy GPTQ's groups run in order, as AWQ, unless the config says act-order (its
+        # g_idx then permuted, as such a checkpoint's)
+        act_order = options.get("act_order", False)
+        assert qkv.quant.method == ("awq" if method == "gptq" and not act_order else method)
         w = qkv.dequantized(torch.float32)
         assert 0.01 < w.std().item() < 0.04, (method, w.std().item())
         out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -143,18 +143,19 @@ def dequantize(q: QuantConfig, t: dict[str, torch.Tensor], n: int, k: int,
 def _pack(ints: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
           ) -> torch.Tensor:
     """_unpack's inverse: 4-bit values [..., 8 m, ...] along `dim` -> int32 words [..., m, ...]
-    (position i of each eight in nibble order.index(i))."""
+    (position i of each eight in nibble order.index(i); the top nibble's shift wraps into the
+    sign bit, as the format's words do)."""
     dim %= ints.dim()
     shape = list(ints.shape)
     shape[dim:dim + 1] = [shape[dim] // 8, 8]
-    grouped = ints.reshape(shape).to(torch.int64)
-    words = torch.zeros(1, dtype=torch.int64, device=ints.device)
-    for i in range(8):
-        words = words + (grouped.select(dim + 1, i) << (4 * order.index(i)))
-    return (words - (words >= 1 << 31).to(torch.int64) * (1 << 32)).to(torch.int32)
+    grouped = ints.reshape(shape).to(torch.int32)
+    words = grouped.select(dim + 1, order[0])  # nibble 0's position: no shift
+    for nibble in range(1, 8):
+        words = words | (grouped.select(dim + 1, order[nibble]) << (4 * nibble))
+    return words
 
 
-GPTQ_REPACK_BYTES = 1 << 26  # unpacked values a chunk of gptq_as_awq holds at once (int32)
+GPTQ_REPACK_BYTES = 1 << 26  # a chunk of gptq_as_awq's unpacked values (int32; about 3x that held)
 
 
 @torch.no_grad()
@@ -163,11 +164,12 @@ def gptq_as_awq(q: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor
     """A GPTQ weight whose groups run in order (g_idx = input // group, checked by the caller)
     as AWQ's (qweight [k, n / 8], qzeros [k / g, n / 8]; the scales are the same tensor): the
     same weights, dequantize's values equal, where AWQ's kernels read them. None where AWQ's
-    layout cannot hold it: a v1 zero point stored as 15, which reads as 16 (see dequantize).
+    layout cannot hold it (a v1 zero point stored as 15 reads as 16: see dequantize) or its
+    group size is not one of AWQ's usual 32, 64 and 128.
     Works through k in chunks of GPTQ_REPACK_BYTES of unpacked values."""
     zeros = _unpack(qzeros, 1) + (1 if q.zeros_less_one else 0)  # [groups, n]
-    if zeros.max().item() > 15:
-        return None
+    if q.group_size not in (32, 64, 128) or zeros.max().item() > 15:
+        return None  # (other groups: AWQ's GPU kernels are not tested there)
     words, n = qweight.shape
     rows = max(1, GPTQ_REPACK_BYTES // (32 * n))  # of qweight's words, 8 inputs each
     awq = torch.empty(8 * words, n // 8, dtype=torch.int32, device=qweight.device)
@@ -195,6 +197,10 @@ def fill_dummy(q: QuantConfig, t: dict[str, torch.Tensor], generator: torch.Gene
     t["qweight"].random_(-2**31, 2**31, generator=generator)  # eight uniform nibbles a word
     t["qzeros"].fill_(_packed(7 if q.method == "gptq" and q.zeros_less_one else 8))
     t["scales"].fill_(0.0043)
-    if "g_idx" in t:
-        k = t["g_idx"].shape[-1]
-        t["g_idx"].copy_(torch.arange(k, device=t["g_idx"].device) // q.group_size)
+    if "g_idx" in t:  # act-order: the groups over a random order of the inputs, as GPTQ's
+        k, device = t["g_idx"].shape[-1], t["g_idx"].device
+        groups = torch.arange(k, device=device) // q.group_size
+        if q.act_order:
+            order = torch.randperm(k, generator=generator, device=device)
+            groups = torch.empty_like(groups).scatter_(0, order, groups)
+        t["g_idx"].copy_(groups)
