@@ -35,26 +35,31 @@ def fp16(t: torch.Tensor) -> torch.Tensor:
 
 def awq_kernel_emulated(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                         scales: torch.Tensor, group: int) -> torch.Tensor:
-    """The kernel's products (awq_gemv.cu) for x [K]: x 2^-8 in fp16; the 16 row slots of a
-    group each sum their group / 16 rows of x (q - z) in fp16, one rounding an FMA (as HFMA2);
-    then s 2^8 times each slot's sum, in float64 here (float32 in the kernel)."""
+    """The kernel's products (awq_gemv.cu) for x [K] (values a float32 holds): the 16 row slots
+    of a group each take their group / 16 rows of x into fp16 times 2^e, e putting the slot's
+    largest |x| in [256, 512); each sums x (q - z) in fp16, one rounding an FMA (as HFMA2);
+    then s 2^-e times each slot's sum, in float64 here (float32 in the kernel)."""
     q, z = plus_1024(qweight), plus_1024(qzeros)  # [K, N], [groups, N]
     k, n = q.shape
     d = (q.view(-1, group, n) - z[:, None]).double()  # HSUB2: small integers, exact
-    xh = fp16(x * 2.0**-8).view(-1, group // 16, 16)  # [groups, steps, slot]
-    d = d.view(-1, group // 16, 16, n)
+    d = d.view(-1, group // 16, 16, n)  # [groups, steps, slot, N]
+    xs = x.view(-1, group // 16, 16)  # [groups, steps, slot]
+    _, e2 = torch.frexp(xs.abs().amax(1))  # largest in [2^(e2 - 1), 2^e2)
+    biased = torch.where(xs.abs().amax(1) > 0, e2 + 126, 0).clamp(min=9)
+    power = 2.0 ** (135 - biased).double()  # [groups, slot]
+    xh = fp16(xs * power[:, None])
     acc = torch.zeros(k // group, 16, n, dtype=torch.float64)
     for step in range(group // 16):  # exact in float64, then one rounding: fp16's FMA
         acc = fp16(xh[:, step, :, None] * d[:, step] + acc)
-    return (scales.double() * 2.0**8 * acc.sum(1)).sum(0)
+    return (scales.double()[:, None] / power[..., None] * acc).sum((0, 1))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_the_kernels_arithmetic_gives_the_dequantized_product(group):
     """The kernel's unpacking gives 1024 plus each nibble exactly, its zeros alike, and its
     fp16 sums (emulated) give x times formats.dequantize's weight to 2^-9 of the largest output
-    (float64 reference), x with entries at 3e4 too (finite: x 2^-8 keeps the sums in fp16's
-    range)."""
+    (float64 reference) whatever x's scale: plain, with entries at 3e4 and at 1e6 (finite: no
+    fp16 sum past its range), all of it times 1e-4 (no fp16 subnormals)."""
     k, n = 1024, 64
     gen = torch.Generator().manual_seed(group)
     qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=gen)
@@ -66,14 +71,14 @@ def test_the_kernels_arithmetic_gives_the_dequantized_product(group):
     nibbles = ((qweight.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (4 * torch.arange(8))) & 15
     order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # output c's nibble: AWQ's order
     assert torch.equal(plus_1024(qweight).double(), 1024 + nibbles[..., order].flatten(-2))
-    x = torch.randn(k, generator=gen, dtype=torch.float64)
-    spiky = x.clone()
+    x = torch.randn(k, generator=gen).bfloat16().double()
+    spiky, huge = x.clone(), x.clone()
     spiky[::97] = 3e4
-    for xs in (x, spiky):
+    huge[::97] = 1e6
+    for xs in (x, spiky, huge, (x * 1e-4).float().double()):
         got, ref = awq_kernel_emulated(xs, qweight, qzeros, scales, group), w @ xs
-        assert torch.isfinite(got).all()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
-        assert err < 2**-9, (group, err)
+        assert err < 2**-9, (group, xs.abs().max().item(), err)
 
 
 def awq_tensors(n: int, k: int, group: int, x_dtype=torch.bfloat16, scale_dtype=torch.float16):

@@ -222,7 +222,8 @@ def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, 
     """AWQ's one row through the CUDA GEMV (quant/cuda_gemv.py) against float64's product with
     formats.dequantize's weight (_one_row_cases' bounds), for groups 32, 64 and 128, output
     counts that fill 256-output slices and that do not (288: a slice of 32), and 86 groups
-    (K 11,008: splits that do not divide them); x with entries at 3e4 within the same bound."""
+    (K 11,008: splits that do not divide them); x with entries at 1e6 (3e4 in fp16) and x at
+    1e-4 of its size within the same bound."""
     from nanoserve.quant import QuantConfig, cuda_gemv
     from nanoserve.quant.formats import dequantize
     from nanoserve.quant.triton_gemm import AWQ
@@ -242,14 +243,16 @@ def test_awq_cuda_gemv_equals_the_dequantized_weight_splits_and_graphs(x_dtype, 
         _one_row_cases(lambda x, splits=None, args=args: cuda_gemv.awq_gemv(x, **args,
                                                                             splits=splits), x,
                        x.double() @ w.T, monkeypatch, (n, k, group))
-        # the kernel's products are fp16 of x 2^-8: entries at 3e4 (some models' MLP inputs,
-        # near fp16's largest) do not overflow its sums
-        spiky = x.clone()
-        spiky[0, ::997] = 3e4
-        got = cuda_gemv.awq_gemv(spiky, **args).double()
-        ref = spiky.double() @ w.T
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        assert err < 2**-8, (n, k, group, err)
+        # the kernel's products are fp16 of x times a power of two per thread and group:
+        # entries at 3e4 (fp16's range) or 1e6 (bf16's) do not overflow its sums, and an x
+        # 1e-4 as large loses nothing to fp16's subnormals
+        spiky, tiny = x.clone(), (x.float() * 1e-4).to(x_dtype)
+        spiky[0, ::997] = 1e6 if x_dtype == torch.bfloat16 else 3e4
+        for xs in (spiky, tiny):
+            got = cuda_gemv.awq_gemv(xs, **args).double()
+            ref = xs.double() @ w.T
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2**-8, (n, k, group, xs.abs().max().item(), err)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])

@@ -9,11 +9,12 @@
 // A CTA owns 256 outputs (32 words of a row: 8 lanes x 16 bytes) over `rows` inputs. Each
 // quarter warp reads one contiguous 128-byte row segment a step, the form of copy that reads at
 // the device's rate (docs/perf-notes.md, session 25: lanes scattered over rows read at 3.2 TB/s,
-// whole rows at 4.4), a warp 4 rows, the CTA 16 consecutive rows. A thread's rows of a group,
-// their x and the group's zeros are loaded a group ahead, its scales as the group starts, so
-// that one group's sums run while the next one's loads are in flight (168 registers, 3 CTAs an
-// SM; H200, session 29, Qwen3-8B's layers against loading each group as it starts: qkv 11.6 /
-// 11.2 us, o 9.5 / 9.5, gate_up 25.9 / 27.3, down 16.8 / 18.1).
+// whole rows at 4.4), a warp 4 rows, the CTA 4 AWQ_WARPS consecutive rows (16 with the 4 warps
+// built by default). A thread's rows of a group, their x and the group's zeros are loaded a
+// group ahead, its scales as the group starts, so that one group's sums run while the next
+// one's loads are in flight (4 warps: 168 registers, 3 CTAs an SM; H200, session 29, Qwen3-8B's
+// layers against loading each group as it starts: qkv 11.6 / 11.2 us, o 9.5 / 9.5, gate_up
+// 25.9 / 27.3, down 16.8 / 18.1).
 //
 // The products run in packed half precision, as AWQ's own GEMV does: nibbles i and i + 4 of a
 // word (outputs 2 i and 2 i + 1) become two fp16 1024 + q in one LOP3 ((w >> 4 i) & 0x000F000F
@@ -22,9 +23,11 @@
 // then widens the sums and scales them into float32 once a group: about 2.4 instructions an
 // element against 3.9 with float products (H100, session 30, Qwen3-8B's layers: qkv 10.6 / 12.7
 // us, o 9.3 / 10.2, gate_up 22.9 / 28.8, down 15.2 / 17.4; errors against float64 equal).
-// x enters fp16 times 2^-XSHIFT (8): a group's sum of 8 products of up to 15 |x| stays finite
-// for |x| below about 1.4e5, twice fp16's own range, with absolute steps of 2^-16 under x's
-// 2^-6 (subnormal fp16).
+// x enters fp16 scaled by a power of two per thread and group: the largest |x| of the thread's
+// rows of the group is brought into [256, 512), so its fp16 sum of up to 8 products of at most
+// 15 |x| stays under 61,440 (fp16 holds 65,504) and an x down to 2^-22 of that largest keeps
+// fp16's 11 bits; the float32 scaling after the sums takes the power back off. A fixed 2^-8
+// (session 30's first form) overflowed past |x| = 1.4e5 and lost precision under |x| = 2^-6.
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
 // divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
@@ -51,8 +54,6 @@ static_assert(32 % ROW_SLOTS == 0, "every group size a whole number of steps");
 
 using one_row::load_stream;
 using one_row::to_float;
-
-constexpr int XSHIFT = 8;  // x enters fp16 as x 2^-XSHIFT (see the file's comment)
 
 // the two 16-bit scales of a word (low half first) as floats
 __device__ __forceinline__ float2 two_scales(uint32_t word, __half) {
@@ -87,7 +88,6 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   const int rows = ((blockIdx.y + 1) * groups / gridDim.y - g_begin) * GROUP;
   const int k_begin = g_begin * GROUP;
   const uint32_t magic = 0x64006400u;  // two fp16 1024
-  const float x_scale = 1.f / (1 << XSHIFT), unscale = static_cast<float>(1 << XSHIFT);
   const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
   const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
   float out[32];
@@ -106,13 +106,23 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   // of one group run while the next one's loads are in flight
   uint4 next[STEPS], next_z = make_uint4(0, 0, 0, 0);
   __half x_next[STEPS];
+  float next_unscale;  // 2^-e for the scale 2^e the group's x entered fp16 with
   const auto load_group = [&](int g0) {
+    float xf[STEPS], largest = 0.f;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const size_t row = static_cast<size_t>(g0 + s * ROW_SLOTS);
       next[s] = live ? load_stream(w + row * words) : make_uint4(0, 0, 0, 0);
-      x_next[s] = __float2half_rn(to_float(x[row]) * x_scale);
+      xf[s] = to_float(x[row]);
+      largest = fmaxf(largest, fabsf(xf[s]));
     }
+    // largest's biased exponent b: largest 2^(135 - b) in [256, 512); b at least 9 keeps
+    // both powers normal floats (an x under 2^-118 is taken as 0, an infinite one stays so)
+    const uint32_t b = max(__float_as_uint(largest) >> 23, 9u);
+    const float scale = __uint_as_float((262u - b) << 23);
+    next_unscale = __uint_as_float((b - 8u) << 23);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) x_next[s] = __float2half_rn(xf[s] * scale);
     if (live)
       next_z = *reinterpret_cast<const uint4*>(
           p.qzeros + static_cast<size_t>((k_begin + g0) / GROUP) * words + word0);
@@ -124,7 +134,8 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) q[s] = next[s], x2[s] = __half2half2(x_next[s]);
     const uint32_t zs[4] = {next_z.x, next_z.y, next_z.z, next_z.w};
-    uint4 sv[4];  // the 32 scales, two a word (a dead thread's sums never reach y)
+    const float unscale = next_unscale;
+    uint4 sv[4] = {};  // the 32 scales, two a word
     if (live) {
       const size_t at = static_cast<size_t>((k_begin + g0) / GROUP) * p.n + word0 * 8;
       const uint4* sp = reinterpret_cast<const uint4*>(static_cast<const ST*>(p.scales) + at);
