@@ -105,24 +105,14 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   // a group's weights, x and zeros are loaded a group ahead, its scales as it starts: the sums
   // of one group run while the next one's loads are in flight
   uint4 next[STEPS], next_z = make_uint4(0, 0, 0, 0);
-  __half x_next[STEPS];
-  float next_unscale;  // 2^-e for the scale 2^e the group's x entered fp16 with
+  XT x_next[STEPS];  // as loaded: converted when its group starts, the loads long landed
   const auto load_group = [&](int g0) {
-    float xf[STEPS], largest = 0.f;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const size_t row = static_cast<size_t>(g0 + s * ROW_SLOTS);
       next[s] = live ? load_stream(w + row * words) : make_uint4(0, 0, 0, 0);
-      xf[s] = to_float(x[row]);
-      largest = fmaxf(largest, fabsf(xf[s]));
+      x_next[s] = x[row];
     }
-    // largest's biased exponent b: largest 2^(135 - b) in [256, 512); b at least 9 keeps
-    // both powers normal floats (an x under 2^-118 is taken as 0, an infinite one stays so)
-    const uint32_t b = max(__float_as_uint(largest) >> 23, 9u);
-    const float scale = __uint_as_float((262u - b) << 23);
-    next_unscale = __uint_as_float((b - 8u) << 23);
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) x_next[s] = __float2half_rn(xf[s] * scale);
     if (live)
       next_z = *reinterpret_cast<const uint4*>(
           p.qzeros + static_cast<size_t>((k_begin + g0) / GROUP) * words + word0);
@@ -130,11 +120,10 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   load_group(0);
   for (int g0 = 0; g0 < rows; g0 += GROUP) {
     uint4 q[STEPS];
-    __half2 x2[STEPS];
+    XT xs[STEPS];
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) q[s] = next[s], x2[s] = __half2half2(x_next[s]);
+    for (int s = 0; s < STEPS; ++s) q[s] = next[s], xs[s] = x_next[s];
     const uint32_t zs[4] = {next_z.x, next_z.y, next_z.z, next_z.w};
-    const float unscale = next_unscale;
     uint4 sv[4] = {};  // the 32 scales, two a word
     if (live) {
       const size_t at = static_cast<size_t>((k_begin + g0) / GROUP) * p.n + word0 * 8;
@@ -143,6 +132,18 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
       for (int j = 0; j < 4; ++j) sv[j] = sp[j];
     }
     if (g0 + GROUP < rows) load_group(g0 + GROUP);
+    // x into fp16 times 2^e, e putting the largest |x| of the thread's rows in [256, 512): its
+    // biased exponent b, 2^(135 - b); b at least 9 keeps both powers normal floats (an x under
+    // 2^-118 is taken as 0; an infinite one stays so)
+    float largest = 0.f;
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) largest = fmaxf(largest, fabsf(to_float(xs[s])));
+    const uint32_t b = max(__float_as_uint(largest) >> 23, 9u);
+    const float scale = __uint_as_float((262u - b) << 23);
+    const float unscale = __uint_as_float((b - 8u) << 23);
+    __half2 x2[STEPS];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) x2[s] = __half2half2(__float2half_rn(to_float(xs[s]) * scale));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t sw[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};  // outputs 8 j to 8 j + 7
