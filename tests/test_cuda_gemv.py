@@ -141,11 +141,31 @@ def test_the_split_keeps_every_cta_resident(sms):
     if sms == 132:
         assert [cuda_gemv.num_splits(s, g, cuda_gemv.AWQ_CTAS_PER_SM * 132) for s, g in
                 ((16, 32), (24, 32), (96, 32), (16, 96))] == [16, 16, 4, 16]
-        fp8 = cuda_gemv.FP8_CTAS_PER_SM * 132  # 32 outputs a CTA: qkv, o, gate_up, down
-        assert [cuda_gemv.num_splits(n // cuda_gemv.FP8_OUTS, k // cuda_gemv.FP8_STEP, fp8,
+        fp8 = cuda_gemv.PLAIN_CTAS_PER_SM * 132  # 32 outputs a CTA: qkv, o, gate_up, down
+        assert [cuda_gemv.num_splits(n // cuda_gemv.PLAIN_OUTS, k // cuda_gemv.PLAIN_STEP, fp8,
                                      cuda_gemv.FP8_MIN_STEPS)
                 for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == \
             [4, 4, 1, 6]
+        half = [cuda_gemv.num_splits(n // cuda_gemv.PLAIN_OUTS, k // cuda_gemv.PLAIN_STEP, fp8,
+                                     cuda_gemv.HALF_MIN_STEPS, 132)
+                for n, k in ((5120, 2048), (2048, 4096), (128, 2048), (6144, 4096), (4096, 4096),
+                             (24576, 4096), (151936, 4096))]
+        assert half == [2, 4, 8, 4, 4, 1, 1]  # 16-bit: Qwen3-30B-A3B's and Qwen3-8B's
+
+
+@pytest.mark.parametrize("sms", [8, 78, 132])
+def test_filling_the_sms_splits_few_outputs_more_never_below_two_units_a_cta(sms):
+    """num_splits' `fill`: a launch of fewer CTAs than SMs is split further, up to a CTA an SM
+    (rounded up), never below 2 units a CTA nor past SPLITS_CAP; one that fills them is as
+    without it."""
+    for slices, units in itertools.product((1, 2, 4, 7, 64, 200), (1, 2, 3, 16, 64, 96)):
+        plain = cuda_gemv.num_splits(slices, units, 6 * sms, 8)
+        d = cuda_gemv.num_splits(slices, units, 6 * sms, 8, sms)
+        assert d >= plain
+        if slices * plain >= sms:
+            assert d == plain
+        else:
+            assert d == max(plain, 1, min(-(-sms // slices), units // 2, cuda_gemv.SPLITS_CAP))
 
 
 def test_a_split_asked_for_is_held_to_a_unit_a_cta_and_max_splits(monkeypatch):

@@ -237,13 +237,14 @@ def test_the_blocked_sort_with_most_experts_empty(block_m):
     assert ref[1].unique().numel() == 10  # nine experts' tiles and the unused ones' (60)
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 4096])
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 64, 4096])
 @pytest.mark.parametrize("norm", [True, False])
 @torch.inference_mode()
 def test_the_fused_router_picks_torchs_experts_with_its_weights(tokens, norm):
-    """fused_moe.route (one kernel for the softmax, top-k and renormalization) against moe.route
-    on float32 logits, where ties do not occur: the same experts in the same order, weights
-    within 1e-6."""
+    """fused_moe.route (one kernel for the softmax, top-k and renormalization: a warp a token up
+    to 16 tokens, 16 tokens a program above) against moe.route on float32 logits, where ties
+    do not occur: the same experts in the same order, weights within 1e-6. Equal logits: the
+    lowest id first, then the rest as torch picks them."""
     from nanoserve.models import fused_moe
     g = torch.Generator("cuda").manual_seed(tokens)
     x = torch.randn(tokens, 2048, device="cuda", generator=g)
@@ -252,6 +253,12 @@ def test_the_fused_router_picks_torchs_experts_with_its_weights(tokens, norm):
     w, ids = fused_moe.route(x, router, 8, norm)
     assert torch.equal(ids, ids_ref)
     assert (w - w_ref).abs().max().item() < 1e-6
+    logits = torch.nn.functional.linear(x, router)
+    logits[:, 90] = logits[:, 7] = logits.max(1).values + 1  # a tie at the top of every row
+    _, ids = fused_moe.pick(logits, 8, norm)
+    _, ids_ref = moe.pick(logits, 8, norm)
+    assert (ids[:, :2] == torch.tensor([7, 90], device="cuda")).all()
+    assert torch.equal(ids[:, 2:], ids_ref[:, 2:])
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 32, 300])

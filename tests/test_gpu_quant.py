@@ -301,6 +301,39 @@ def test_fp8_cuda_gemv_equals_the_scaled_weight_splits_and_graphs(x_dtype, monke
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.inference_mode()
+def test_half_cuda_gemv_equals_float64_splits_graphs_and_runs_linears_one_row(dtype,
+                                                                             monkeypatch,
+                                                                             one_row_cuda):
+    """16-bit weights through the plain one-row CUDA GEMV (cuda_gemv.half_gemv) against
+    float64's product (_one_row_cases' bounds, splits and graphs): Qwen3-30B-A3B's qkv, o and
+    router, N 300 with K 1,152 (nine steps, a partial block of outputs) and a row stride past K;
+    layers.Linear runs it at one row (not with a bias, not at two rows) and gives its result;
+    shapes it leaves (K not a multiple of 128, float32, weights of another dtype)."""
+    from nanoserve.models.layers import Linear
+    from nanoserve.quant import cuda_gemv
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for n, k, stride in [(5120, 2048, 2048), (2048, 4096, 4096), (128, 2048, 2048),
+                         (300, 1152, 1152), (256, 1024, 1536)]:
+        w = (torch.randn(n, stride, device="cuda", generator=gen) * 0.02).to(dtype)[:, :k]
+        x = torch.randn(1, k, device="cuda", generator=gen).to(dtype)
+        assert cuda_gemv.half_gemv_ok(x, w), (n, k, stride)
+        ref = x.double() @ w.double().T
+        _one_row_cases(lambda x, splits=None, w=w: cuda_gemv.half_gemv(x, w, splits=splits), x,
+                       ref, monkeypatch, (n, k, stride))
+    linear = Linear(2048, 640, bias=False, device="cuda", dtype=dtype)
+    x = torch.randn(1, 2048, device="cuda", generator=gen).to(dtype)
+    assert linear.one_row_cuda(x) and not linear.one_row_cuda(x.repeat(2, 1))
+    assert torch.equal(linear(x), cuda_gemv.half_gemv(x, linear.weight))
+    assert not Linear(2048, 640, device="cuda", dtype=dtype).one_row_cuda(x)  # a bias
+    w = torch.zeros(256, 1000, device="cuda", dtype=dtype)
+    assert not cuda_gemv.half_gemv_ok(torch.zeros(1, 1000, device="cuda", dtype=dtype), w)
+    assert not cuda_gemv.half_gemv_ok(x.float(), linear.weight.float())
+    assert not cuda_gemv.half_gemv_ok(x, linear.weight.to(
+        torch.float16 if dtype == torch.bfloat16 else torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
 def test_awq_on_tensor_cores_equals_the_dequantized_weight_in_bf16_and_fp16(dtype):
     """AWQ at 2-64 rows (_awq_mma_kernel: nibbles made into 16-bit floats by their bit
     pattern, bf16's 128 + q or fp16's 1024 + q, the offset taken off with the zero point):

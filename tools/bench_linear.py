@@ -6,7 +6,8 @@ Shapes are Qwen3-8B's: qkv, o, gate_up, down, lm_head (and Qwen3-30B-A3B's by na
 moe_o, moe_router, moe_lm_head). --silu times, at one row, down with the
 SiLU-multiply in its kernel against inductor's SiLU-multiply kernel followed by the matmul.
 cuBLAS is also timed with a (zero) bias, which torch sends to cuBLASLt's bias epilogue, and
-with cuBLASLt as torch's preferred BLAS library.
+with cuBLASLt as torch's preferred BLAS library. At one row the plain one-row CUDA GEMV
+(quant/cuda_gemv.half_gemv) is timed at its split and at --splits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nanoserve.models.triton_linear import (
     skinny_linear,
     skinny_silu_linear,
 )
+from nanoserve.quant import cuda_gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--splits", default="1,2,4,8,16,32",
+                    help="one row: the CUDA GEMV's K splits timed beside its own choice")
     ap.add_argument("--silu", action="store_true",
                     help="only down with SiLU-multiply in its kernel against apart, one row")
     args = ap.parse_args()
@@ -99,6 +103,14 @@ def main() -> None:
                   f"max err {err:.2e} (cuBLAS {err_cublas:.2e})", flush=True)
             for us2, tiles in results[1:4]:
                 print(f"{'':24s} next {tiles} {us2:7.1f} us ({floor / us2:.0%})")
+            if rows == 1 and cuda_gemv.half_gemv_ok(x, w):
+                own = timed(lambda: cuda_gemv.half_gemv(x, w))  # noqa: B023
+                err = (cuda_gemv.half_gemv(x, w).double() - ref).abs().max().item()
+                swept = "  ".join(
+                    f"{sp}: {timed(lambda sp=sp: cuda_gemv.half_gemv(x, w, splits=sp)):.1f}"  # noqa: B023
+                    for sp in map(int, args.splits.split(",")))
+                print(f"{'':24s} CUDA GEMV {own:7.1f} us ({floor / own:.0%}), max err {err:.2e}"
+                      f" | us at splits {swept}", flush=True)
             if name in SHAPES and name != "lm_head":  # Qwen3-8B's 36 layers
                 per_layer.setdefault(rows, [0.0, 0.0])
                 per_layer[rows][0] += cublas

@@ -185,10 +185,10 @@ def moe_cases():
         torch.zeros(tiles, dtype=torch.int32), ids.numel(), experts, rows, tiles, BLOCK_P=32,
         BLOCK_ROWS=triton.next_power_of_2(rows), BLOCK_TILES=triton.next_power_of_2(tiles),
         BLOCK_M=16)
-    for dtype in (torch.bfloat16, torch.float32):
-        yield f"fused MoE router, {dtype}", lambda dtype=dtype: fused_moe.route(
-            torch.zeros(4, hidden, dtype=dtype), torch.zeros(experts, hidden, dtype=dtype), k,
-            True)
+    for dtype, tokens in itertools.product((torch.bfloat16, torch.float32), (4, 64)):
+        yield f"fused MoE router, {dtype}, {tokens} tokens", \
+            lambda dtype=dtype, tokens=tokens: fused_moe.pick(
+                torch.zeros(tokens, experts, dtype=dtype), k, True)
     many = torch.zeros(4096, k, dtype=torch.int64)
     yield "fused MoE: the blocked sort", lambda: fused_moe._sort_pairs_blocked(many, experts, 128)
     for dtype, tiles in itertools.product((torch.bfloat16, torch.float32),

@@ -33,8 +33,9 @@ from nanoserve.kv.spec import KVSpec
 HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 256  # the Qwen3-8B shape
 
 
-def case(batch: int, ctx: int, dtype: torch.dtype, dev: torch.device):
-    spec = KVSpec(1, PAGE, KV_HEADS, D, dtype)
+def case(batch: int, ctx: int, dtype: torch.dtype, dev: torch.device, heads: int = HEADS,
+         kv_heads: int = KV_HEADS):
+    spec = KVSpec(1, PAGE, kv_heads, D, dtype)
     pages_per_seq = -(-ctx // PAGE)
     kv = spec.empty(1, batch * pages_per_seq + 1, dev)[0]
     k, v, ks, vs = spec.views(kv)
@@ -46,7 +47,7 @@ def case(batch: int, ctx: int, dtype: torch.dtype, dev: torch.device):
     perm = torch.randperm(batch * pages_per_seq, device=dev) + 1  # scattered pages
     table = perm.view(batch, pages_per_seq).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(batch, heads, D, dtype=torch.bfloat16, device=dev)
     kv_bytes = batch * ctx * spec.layer_token_bytes
     # triton's do_bench_cudagraph runs on a stream of its own, which does not wait for this
     # one: unsynchronized, a first call read a page table not yet written (an illegal address
@@ -66,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32768,4x32768,64x512,1x131072")
     ap.add_argument("--hbm-gbs", type=float, default=4229.0)
+    ap.add_argument("--heads", default=f"{HEADS}x{KV_HEADS}",
+                    help="query x KV heads (Qwen3-30B-A3B: 32x4)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="KV dtypes to tune: bf16, fp8")
     ap.add_argument("--block-n", default="32,64,128", help="KV tokens per tile to try")
     ap.add_argument("--warps", default="4,8")
@@ -85,6 +88,7 @@ def main() -> None:
                     help="FP8: also time the CUDA kernel (Tiles.cuda; its tile is fixed, the "
                     "split multiples apply)")
     args = ap.parse_args()
+    heads, kv_heads = map(int, args.heads.split("x"))
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -105,8 +109,8 @@ def main() -> None:
         dtype, name, candidates = dtypes[key]
         for shape in args.shapes.split(","):
             batch, ctx = map(int, shape.split("x"))
-            q, k, v, ks, vs, table, lens, nbytes = case(batch, ctx, dtype, dev)
-            base = num_splits_for(batch, KV_HEADS, ctx, sms)
+            q, k, v, ks, vs, table, lens, nbytes = case(batch, ctx, dtype, dev, heads, kv_heads)
+            base = num_splits_for(batch, kv_heads, ctx, sms)
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
             for tiles, mult in itertools.product(candidates, floats(args.mults)):

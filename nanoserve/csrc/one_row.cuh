@@ -1,4 +1,4 @@
-// What the one-row CUDA kernels share (quant/csrc/awq_gemv.cu, fp8_gemv.cu; models/csrc/
+// What the one-row CUDA kernels share (quant/csrc/awq_gemv.cu, plain_gemv.cu; models/csrc/
 // moe_gemv.cu): a streaming 16-byte load, conversions between 16-bit floats and float, and
 // programmatic dependent launch.
 #pragma once

@@ -330,53 +330,65 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 ROUTE_TOKENS = 16  # tokens a program of the router kernel (fewer beyond 128 experts)
+ROUTE_ONE_WARP_TOKENS = 16  # up to this many tokens (decode): a program of one warp a token
 
 
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(Logits, Weights, Ids, T, E, stride_l, TOP_K: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NORMALIZE: tl.constexpr):
     """BLOCK_T tokens: each one's softmax over its router logits in fp32, its top k (the
     lowest id among equal logits first), their probabilities renormalized to sum 1 when
-    NORMALIZE."""
+    NORMALIZE. One pass of k argmaxes; the picks are kept in [BLOCK_T, BLOCK_K] and stored
+    once."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     offs = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
     logits = tl.load(Logits + rows[:, None] * stride_l + offs[None, :],
                      mask=row_ok[:, None] & (offs < E)[None, :],
                      other=float("-inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     total = tl.sum(exps, axis=1)
-    picked = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
-    chosen_sum = tl.zeros([BLOCK_T], tl.float32)
-    for _ in tl.static_range(TOP_K):
-        best = tl.argmax(tl.where(picked, float("-inf"), logits), axis=1)
-        hit = offs[None, :] == best[:, None]
-        picked = picked | hit
-        chosen_sum += tl.sum(tl.where(hit, exps, 0.0), axis=1)
-    # weights in the order chosen: a second pass over the k picks, as stored
-    chosen = tl.zeros([BLOCK_T, BLOCK_E], tl.int1)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    probs = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     for slot in tl.static_range(TOP_K):
-        best = tl.argmax(tl.where(chosen, float("-inf"), logits), axis=1)
+        best = tl.argmax(logits, axis=1)
         hit = offs[None, :] == best[:, None]
-        chosen = chosen | hit
-        prob = tl.sum(tl.where(hit, exps, 0.0), axis=1) / total
-        if NORMALIZE:
-            prob = prob / (chosen_sum / total)
-        tl.store(Weights + rows * TOP_K + slot, prob.to(Weights.dtype.element_ty), mask=row_ok)
-        tl.store(Ids + rows * TOP_K + slot, best.to(tl.int64), mask=row_ok)
+        logits = tl.where(hit, float("-inf"), logits)
+        here = slots[None, :] == slot
+        ids = tl.where(here, best[:, None], ids)
+        probs = tl.where(here, tl.sum(tl.where(hit, exps, 0.0), axis=1)[:, None], probs)
+    probs = probs / total[:, None]
+    if NORMALIZE:
+        probs = probs / tl.sum(probs, axis=1)[:, None]
+    at = rows[:, None] * TOP_K + slots[None, :]
+    mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(Weights + at, probs.to(Weights.dtype.element_ty), mask=mask)
+    tl.store(Ids + at, ids.to(tl.int64), mask=mask)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe.route's result: the router's logits by cuBLAS (the same as moe.route's), then their
-    softmax, top k and renormalization in one Triton kernel instead of four torch ones."""
-    logits = torch.nn.functional.linear(x, router)
+    """moe.route's result: the router's logits by cuBLAS (the same as moe.route's), then
+    `pick`."""
+    return pick(torch.nn.functional.linear(x, router), top_k, norm_topk_prob)
+
+
+def pick(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.pick's result: the logits' softmax, top k and renormalization in one Triton kernel
+    instead of four torch ones."""
     t, e = logits.shape
-    weights = torch.empty(t, top_k, dtype=logits.dtype, device=x.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(ROUTE_TOKENS, 2048 // block_e))  # [tokens, experts] within registers
+    if t <= ROUTE_ONE_WARP_TOKENS:  # a warp a token: its reductions stay within the warp
+        block_t, warps = 1, 1
+    else:  # [tokens, experts] within registers
+        block_t, warps = max(1, min(ROUTE_TOKENS, 2048 // block_e)), 4
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=block_t,
-        BLOCK_E=block_e, NORMALIZE=norm_topk_prob)
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), NORMALIZE=norm_topk_prob,
+        num_warps=warps)
     return weights, ids

@@ -79,14 +79,23 @@ DOWN_LT_ROWS = range(32, 65)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
-    which streams o, down, gate_up and lm_head's weights closer to the device bandwidth than
-    cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py); down's SiLU-multiply
-    runs in the same kernel (`silu_mul_linear`). At `lt_rows` rows (the MLP's down: 32-64) a
-    product takes cuBLASLt's kernels. `enable_fusion=False` keeps cuBLAS's everywhere."""
+    """nn.Linear whose one-row products (batch-1 decode) on CUDA run the plain one-row CUDA
+    GEMV (quant/cuda_gemv.py: K split over CTAs, for the shapes `one_row_cuda` names) or the
+    Triton skinny matmul, which stream the weights closer to the device bandwidth than cuBLAS's
+    kernels for one row (models/triton_linear.py); down's SiLU-multiply runs in the skinny
+    kernel (`silu_mul_linear`). At `lt_rows` rows (the MLP's down: 32-64) a product takes
+    cuBLASLt's kernels. `enable_fusion=False` keeps cuBLAS's everywhere."""
 
     lt_rows: range = range(0)
     _zero_bias: torch.Tensor | None = None
+
+    def one_row_cuda(self, x: torch.Tensor) -> bool:
+        """Whether this product of x runs the plain one-row CUDA GEMV."""
+        if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.bias is None and
+                fusion_enabled()):
+            return False
+        from nanoserve.quant import cuda_gemv  # builds the kernels at first use
+        return cuda_gemv.half_gemv_ok(x, self.weight)
 
     def skinny(self, x: torch.Tensor, silu: bool = False) -> bool:
         """Whether this product of x runs the skinny kernels."""
@@ -98,6 +107,9 @@ class Linear(nn.Linear):
         return supports(x, self.weight, silu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row_cuda(x):
+            from nanoserve.quant import cuda_gemv
+            return cuda_gemv.half_gemv(x, self.weight)
         if self.skinny(x):
             from nanoserve.models import triton_linear  # a test patches its functions
             return triton_linear.skinny_linear(x, self.weight, self.bias)

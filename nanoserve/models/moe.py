@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.parallel_state import all_reduce
-from nanoserve.models.layers import silu_and_mul
+from nanoserve.models.layers import Linear, silu_and_mul
 from nanoserve.quant.config import QuantConfig, UnsupportedQuantization
 from nanoserve.quant.formats import dequantize, fill_dummy, gpu_reads_e4m3
 
@@ -110,17 +110,19 @@ class SparseMoE(nn.Module):
                  norm_topk_prob: bool, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        # the router: at one row on CUDA its logits come from the plain one-row GEMV
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, quant)
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = choose_path(self.backend, x)
-        if path == "fused":  # the router in one kernel: 59.9 -> 45.8 us a layer at batch 1 (H100)
+        logits = self.gate(x)
+        if path == "fused":  # the pick in one kernel: 59.9 -> 45.8 us a layer at batch 1 (H100)
             from nanoserve.models import fused_moe
-            weights, ids = fused_moe.route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+            weights, ids = fused_moe.pick(logits, self.top_k, self.norm_topk_prob)
         else:
-            weights, ids = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+            weights, ids = pick(logits, self.top_k, self.norm_topk_prob)
         experts = self.experts
         if path == "fused" and experts.quant is not None and gpu_reads_e4m3(x.device):
             from nanoserve.models import fused_moe
@@ -136,7 +138,12 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in x's dtype, expert ids [T, k]): softmax over the experts in fp32, the
     top k, renormalized to sum 1 when norm_topk_prob, rounded to x's dtype (transformers)."""
-    logits = F.linear(x, router)
+    return pick(F.linear(x, router), top_k, norm_topk_prob)
+
+
+def pick(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's weights and ids from the router's logits [T, E]."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

@@ -32,7 +32,7 @@ def build(warps: int, per_sm: int):
     csrc = cuda_gemv.CSRC
     flags = ["-O3", f"-DAWQ_WARPS={warps}", f"-DAWQ_CTAS_PER_SM={per_sm}"]
     return load_extension(f"nanoserve_probe_awq_{warps}x{per_sm}",
-                          [csrc / "gemv_binding.cpp", csrc / "awq_gemv.cu", csrc / "fp8_gemv.cu"],
+                          [csrc / "gemv_binding.cpp", csrc / "awq_gemv.cu", csrc / "plain_gemv.cu"],
                           f"the AWQ GEMV as {warps}x{per_sm}", extra_cflags=["-O3"],
                           extra_cuda_cflags=flags,
                           extra_include_paths=[str(csrc), str(COMMON_CSRC)])

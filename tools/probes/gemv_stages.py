@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(128, 4) awq_read(const uint32_t* qweight, cons
   gemv::finish<OUTS / 128, 16>(sums, OUTS, blockIdx.x * OUTS, n, y, partials, counters);
 }
 
-// fp8_gemv.cu's loads with no arithmetic (128 x 128 scale blocks): a CTA 32 outputs, a warp 8
+// plain_gemv.cu's loads with no arithmetic (128 x 128 scale blocks): a CTA 32 outputs, a warp 8
 // rows; at each 512-input chunk a lane loads its 16 bytes of each row, its 16 inputs of x (32
 // bytes) and each row's block scale; its split ending as the GEMV's. MODE's bits: 1 x loaded, 2
 // scales loaded (3: all the GEMV loads)
@@ -211,8 +211,8 @@ def splits_of(fmt: str, n: int, k: int) -> tuple[int, int, int]:
         slices, units, per_sm = -(-n // cuda_gemv.AWQ_OUTS), k // 128, cuda_gemv.AWQ_CTAS_PER_SM
         least = 1
     else:
-        slices, units, per_sm = -(-n // cuda_gemv.FP8_OUTS), k // cuda_gemv.FP8_STEP, \
-            cuda_gemv.FP8_CTAS_PER_SM
+        slices, units, per_sm = -(-n // cuda_gemv.PLAIN_OUTS), k // cuda_gemv.PLAIN_STEP, \
+            cuda_gemv.PLAIN_CTAS_PER_SM
         least = cuda_gemv.FP8_MIN_STEPS
     return slices, cuda_gemv.num_splits(slices, units, per_sm * sms, least), per_sm
 

@@ -1,13 +1,13 @@
-"""Where a MoE layer's routing time goes at batch 1 (issue 35; docs/perf-notes.md session 30):
-the engine's router (cuBLAS's logits, then fused_moe's softmax / top-k kernel, 16 argmaxes) and
-its two halves alone, against candidates: the pick in one pass of k argmaxes, and one kernel for
-the whole router (programs over 16 experts x a run of the hidden size, the last to finish sums
-the runs, rounds to x's dtype and picks). In session 30 that one kernel, put in the engine, did
-not move Qwen3-30B-A3B's batch-1 TPOT (3.38-3.40 ms against 3.34), though the profile gave the
-router's two kernels 10 us a layer: this times each part in CUDA graphs over router copies past
-L2, and checks the candidates' picks against the engine's on float32 logits. Usage (GPU):
-    python tools/probes/moe_router.py [--tokens 1] [--experts 128] [--hidden 2048] [--top-k 8]
-"""
+"""Where a MoE layer's routing time goes at batch 1 (issue 35; docs/perf-notes.md sessions 30-31):
+the engine's router (the plain one-row CUDA GEMV's logits, then fused_moe.pick: a warp a token,
+one pass of k argmaxes) and its halves alone, against cuBLAS's logits and the candidates: the
+pick in one pass of k argmaxes over 4 warps (session 30's), and one kernel for the whole router
+(programs over 16 experts x a run of the hidden size, the last to finish sums the runs, rounds
+to x's dtype and picks). In session 30 that one kernel, put in the engine, did not move
+Qwen3-30B-A3B's batch-1 TPOT (3.38-3.40 ms against 3.34). Each part is timed in CUDA graphs over
+router copies past L2; the candidates' picks are checked against the engine's on float32
+logits. Usage (GPU):
+    python tools/probes/moe_router.py [--tokens 1] [--experts 128] [--hidden 2048] [--top-k 8]"""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's timi
 from bench_quant import SPAN, graph_time_us  # noqa: E402
 
 from nanoserve.models import fused_moe  # noqa: E402
+from nanoserve.quant import cuda_gemv  # noqa: E402
 
 COUNTER: list[torch.Tensor] = []
 
@@ -158,13 +159,12 @@ def main() -> None:
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     logits = torch.nn.functional.linear(x, routers[0])
     cases = {
-        "engine: cuBLAS logits + pick (16 argmaxes)":
-            lambda r: fused_moe.route(x, r, k, True),
+        "engine: one-row GEMV logits + pick (a warp, k argmaxes)":
+            lambda r: fused_moe.pick(cuda_gemv.half_gemv(x, r), k, True),
+        "cuBLAS logits + the engine's pick": lambda r: fused_moe.route(x, r, k, True),
+        "one-row GEMV logits alone": lambda r: cuda_gemv.half_gemv(x, r),
         "cuBLAS logits alone": lambda r: torch.nn.functional.linear(x, r),
-        "engine pick alone (logits in L2)": lambda r: fused_moe._route_kernel[(1,)](
-            logits, torch.empty(t, k, dtype=x.dtype, device="cuda"),
-            torch.empty(t, k, dtype=torch.int64, device="cuda"), t, e, logits.stride(0),
-            TOP_K=k, BLOCK_T=16, BLOCK_E=triton.next_power_of_2(e), NORMALIZE=True),
+        "engine pick alone (logits in L2)": lambda r: fused_moe.pick(logits, k, True),
         "one-pass pick alone (logits in L2)": lambda r: one_pass_pick(logits, k),
         "cuBLAS logits + one-pass pick":
             lambda r: one_pass_pick(torch.nn.functional.linear(x, r), k),

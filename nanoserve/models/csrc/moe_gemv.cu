@@ -6,7 +6,7 @@
 // A warp reads 4 weight rows together, 16 bytes (8 values) a lane of each, each load of a warp
 // 512 contiguous bytes of one row, with the lane's 8 inputs loaded once for the 4 rows (session
 // 29: the FP8 one-row GEMV, which loaded its inputs for each row, spent a third of its time on
-// them; quant/csrc/fp8_gemv.cu);
+// them; quant/csrc/plain_gemv.cu);
 //   gate_up [E, 2I, H]: a CTA takes 8 intermediate outputs of one expert slot, a warp two of
 //     them, their gate and up rows, and writes act[slot, i] = silu(gate) * up;
 //   down [E, H, I]: a CTA takes 4 outputs, a warp the 4 outputs' rows of every fourth expert

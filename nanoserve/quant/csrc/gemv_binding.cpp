@@ -1,4 +1,4 @@
-// torch binding of the one-row products (awq_gemv.cu, fp8_gemv.cu). Python (quant/cuda_gemv.py)
+// torch binding of the one-row products (awq_gemv.cu, plain_gemv.cu). Python (quant/cuda_gemv.py)
 // checks the tensors' dtypes, shapes, alignment and devices; this takes their pointers. Errors
 // come back as strings, never as C++ exceptions. The stream is the caller's current one (a
 // graph's capture stream while capturing), passed as an integer; pdl: launched with programmatic
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "awq_gemv.h"
-#include "fp8_gemv.h"
+#include "plain_gemv.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
                      torch::Tensor scale_row, torch::Tensor y, torch::Tensor partials,
                      torch::Tensor counters, int64_t scale_cols, int64_t splits, int64_t pdl,
                      int64_t stream) {
-  Fp8GemvParams p{};
+  PlainGemvParams p{};
   p.x = x.data_ptr();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
   p.scales = static_cast<const float*>(scales.data_ptr());
@@ -61,7 +61,25 @@ std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
   p.splits = static_cast<int>(splits);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
   p.pdl = pdl != 0;
-  return launched(fp8_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
+  return launched(plain_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
+}
+
+std::string half_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor y, torch::Tensor partials,
+                      torch::Tensor counters, int64_t splits, int64_t pdl, int64_t stream) {
+  PlainGemvParams p{};
+  p.x = x.data_ptr();
+  p.w = static_cast<const uint8_t*>(w.data_ptr());
+  p.y = y.data_ptr();
+  p.partials = static_cast<float*>(partials.data_ptr());
+  p.counters = static_cast<int32_t*>(counters.data_ptr());
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(w.size(1));
+  p.stride_w = static_cast<int>(w.stride(0) * w.element_size());
+  p.splits = static_cast<int>(splits);
+  p.x_bf16 = x.scalar_type() == torch::kBFloat16;
+  p.w_half = true;
+  p.pdl = pdl != 0;
+  return launched(plain_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace
@@ -70,4 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemv", &awq_gemv,
         "AWQ 4-bit weights times one row, written to y; \"\" or why nothing ran");
   m.def("fp8_gemv", &fp8_gemv, "e4m3 weights times one row, written to y; \"\" or why nothing ran");
+  m.def("half_gemv", &half_gemv,
+        "16-bit weights (x's dtype) times one row, written to y; \"\" or why nothing ran");
 }

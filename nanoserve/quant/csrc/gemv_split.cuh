@@ -1,4 +1,4 @@
-// The end of a one-row product kernel (awq_gemv.cu, fp8_gemv.cu): a CTA's sums for a slice of
+// The end of a one-row product kernel (awq_gemv.cu, plain_gemv.cu): a CTA's sums for a slice of
 // outputs stored, or, with K split over gridDim.y CTAs, summed in split order by the slice's
 // last CTA to finish, so the result does not depend on which finished last.
 #pragma once
