@@ -79,12 +79,19 @@ DOWN_LT_ROWS = range(32, 65)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row products (batch-1 decode) on CUDA run the plain one-row CUDA
-    GEMV (quant/cuda_gemv.py: K split over CTAs, for the shapes `one_row_cuda` names) or the
-    Triton skinny matmul, which stream the weights closer to the device bandwidth than cuBLAS's
-    kernels for one row (models/triton_linear.py); down's SiLU-multiply runs in the skinny
-    kernel (`silu_mul_linear`). At `lt_rows` rows (the MLP's down: 32-64) a product takes
-    cuBLASLt's kernels. `enable_fusion=False` keeps cuBLAS's everywhere."""
+    """nn.Linear whose one-row products (batch-1 decode) on CUDA run the Triton skinny matmul,
+    which streams o, down, gate_up and lm_head's weights closer to the device bandwidth than
+    cuBLAS's kernels for one row (qkv: the same; models/triton_linear.py), down's SiLU-multiply
+    in the same kernel (`silu_mul_linear`); the narrower weights it leaves (under 4,096
+    outputs: Qwen3-30B-A3B's o and router) run the plain one-row CUDA GEMV (quant/cuda_gemv.py,
+    K split over CTAs). At `lt_rows` rows (the MLP's down: 32-64) a product takes cuBLASLt's
+    kernels. `enable_fusion=False` keeps cuBLAS's everywhere.
+
+    One row on an H100 (session 31, tools/bench_linear.py), us, skinny / CUDA GEMV / cuBLAS:
+    Qwen3-30B-A3B's o 8.6 / 6.5 / 7.7, router 4.9 / 3.7 / 4.8, qkv 6.5 / 7.0 (at its 2 splits)
+    / 6.8. On Qwen3-8B's wider weights the GEMV's gains in that bench (qkv 18.3 against 20.0,
+    gate_up 66.0 against 68.7) did not reach the model: batch-1 TPOT at 32K 7.72, 7.72 ms with
+    it against 7.69, 7.70 without."""
 
     lt_rows: range = range(0)
     _zero_bias: torch.Tensor | None = None
@@ -107,12 +114,12 @@ class Linear(nn.Linear):
         return supports(x, self.weight, silu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row_cuda(x):
-            from nanoserve.quant import cuda_gemv
-            return cuda_gemv.half_gemv(x, self.weight)
         if self.skinny(x):
             from nanoserve.models import triton_linear  # a test patches its functions
             return triton_linear.skinny_linear(x, self.weight, self.bias)
+        if self.one_row_cuda(x):
+            from nanoserve.quant import cuda_gemv
+            return cuda_gemv.half_gemv(x, self.weight)
         if self.bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] in self.lt_rows and \
                 fusion_enabled():
             return F.linear(x, self.weight, self._lt_bias())

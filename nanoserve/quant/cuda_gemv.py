@@ -1,7 +1,7 @@
 """One row (batch-1 decode) times a weight in CUDA (csrc/): AWQ's 4-bit GEMM layout
 (awq_gemv.cu), and plain weights, one value an element (plain_gemv.cu): e4m3 with block, channel
-or tensor scales, or 16-bit floats (models/layers.py's one-row products where cuBLAS and the
-skinny matmul lose to it). Built at first use through torch's cpp_extension (nvcc); where it
+or tensor scales, or 16-bit floats (models/layers.py's one-row products that the skinny matmul
+leaves to cuBLAS). Built at first use through torch's cpp_extension (nvcc); where it
 cannot be built, or for shapes they do not take, Triton's kernels run (quant/triton_gemm.py;
 `one_row` and `half_gemv_ok` say so).
 
