@@ -2,7 +2,7 @@
 # One device call: GPU test suite, needle runs, engine runs and benchmarks. Before spending device
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
-#   bash tools/gpu_check.sh [tests|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
+#   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
@@ -26,21 +26,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# a build killed by a step's timeout leaves torch's lock on its extension: the next build of it
+# waited forever (session 31). One device call runs at a time, so no build is under way here
+rm -f "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/*/lock
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-what=${*:-tests testsrest needle gen bench}
+what=${*:-tests tests2 testsrest needle gen bench}
 # STEP_TIMEOUT=s: each command stops after s seconds (a hang still leaves the others' output)
 run() { echo "=== $*"; timeout -s ABRT "${STEP_TIMEOUT:-0}" "$@"; echo "=== rc=$?"; }
 B="python3 bench_offload.py --model Qwen3-8B --output-len 64"
 for w in $what; do
   case $w in
-    tests|testsrest)  # the GPU suite in two calls: `tests` the test_gpu_*.py files, `testsrest` the
-            # other files' GPU tests (needle, prefill attention, ...). The whole ran past 575 s on
-            # an H200 in session 30; GPU_TESTS overrides either. tests/test_gpu_1m.py (two minutes
-            # on an H200) runs alone: GPU_TESTS=tests/test_gpu_1m.py
-      # (pytest does not --ignore a file named on its command line: the list leaves it out)
-      if [ $w = tests ]; then set -- $(ls tests/test_gpu_*.py | grep -v test_gpu_1m.py)
-      else set -- tests --ignore-glob="tests/test_gpu_*.py"; fi
+    tests|tests2|testsrest)  # the GPU suite in three calls: `tests` the test_gpu_[a-m]*.py files
+            # (about 400 s on an H100 in session 31), `tests2` test_gpu_[n-z]*.py (about 300 s),
+            # `testsrest` the other files' GPU tests (needle, prefill attention: about 100 s);
+            # GPU_TESTS overrides any. tests/test_gpu_1m.py (two minutes on an H200) runs alone:
+            # GPU_TESTS=tests/test_gpu_1m.py
+      # (pytest does not --ignore a file named on its command line: the lists leave it out)
+      case $w in
+        tests) set -- $(ls tests/test_gpu_[a-m]*.py) ;;
+        tests2) set -- $(ls tests/test_gpu_[n-z]*.py | grep -v test_gpu_1m.py) ;;
+        *) set -- tests --ignore-glob="tests/test_gpu_*.py" ;;
+      esac
       [ -n "${GPU_TESTS:-}" ] && set -- $GPU_TESTS
       # the whole log (progress bars share lines with pytest's dots) into $OUT, its summary here
       run python3 -m pytest -q -rfE -m gpu "$@" -p no:cacheprovider -s --durations=30 \
