@@ -41,6 +41,19 @@ __device__ __forceinline__ float2 pair(uint32_t w, __half) {
   return __half22float2(h);
 }
 
+// sum plus the dot of 8 weights (a uint4 of T) with 8 inputs
+template <typename T>
+__device__ __forceinline__ float dot8(uint4 w, const float* x, float sum) {
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = pair(ws[i], T{});
+    sum = fmaf(a.x, x[2 * i], sum);
+    sum = fmaf(a.y, x[2 * i + 1], sum);
+  }
+  return sum;
+}
+
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 

@@ -28,24 +28,12 @@ constexpr int CHUNK = 32 * 8;    // values a warp reads a load: 8 a lane
 constexpr int UNROLL = 2;        // chunks a loop step: ROWS * UNROLL loads in flight a lane
 constexpr int GATE_UP_OUTS = WARPS * 2;  // intermediate outputs a gate_up CTA takes
 
+using one_row::dot8;
 using one_row::load_stream;
 using one_row::pair;
 using one_row::rounded;
 using one_row::store;
 using one_row::to_float;
-
-// sum plus the dot of 8 weights (a uint4 of T) with 8 inputs
-template <typename T>
-__device__ __forceinline__ float dot8(uint4 w, const float* x, float sum) {
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = pair(ws[i], T{});
-    sum = fmaf(a.x, x[2 * i], sum);
-    sum = fmaf(a.y, x[2 * i + 1], sum);
-  }
-  return sum;
-}
 
 // lane's UNROLL chunks from k on: each row's 16 bytes and v's, zeros past len
 template <typename T>

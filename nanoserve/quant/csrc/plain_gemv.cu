@@ -59,15 +59,7 @@ __device__ __forceinline__ float dot(uint4 wq, const float* xf, E4m3) {
 }
 template <typename T>
 __device__ __forceinline__ float dot(uint4 wq, const float* xf, T) {
-  const uint32_t ws[4] = {wq.x, wq.y, wq.z, wq.w};
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 wf = pair(ws[i], T{});
-    sum = fmaf(wf.x, xf[2 * i], sum);
-    sum = fmaf(wf.y, xf[2 * i + 1], sum);
-  }
-  return sum;
+  return one_row::dot8<T>(wq, xf, 0.f);
 }
 
 enum class Scales { kNone, kOnce, kSteps, kBlocks };  // none (16-bit), one a row, one a 128-input
