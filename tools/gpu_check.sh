@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -271,6 +271,9 @@ for w in $what; do
                   # four builds of a minute or so each, then a minute of timing)
       run python3 tools/probes/awq_variants.py ${AWQ_VARIANT_ARGS:-} 2>&1 | grep -v "it/s" \
         | tee "$OUT/awq_variants.log" ;;
+    pdlchain)  # issues 35-36: what programmatic dependent launch saves between Triton kernels
+               # in a graph, chains of 32 (tools/probes/pdl_chain.py, under a minute)
+      run python3 tools/probes/pdl_chain.py 2>&1 | tee "$OUT/pdl_chain.log" ;;
     moerouter)  # issue 35: a MoE layer's routing at batch 1, the engine's and candidates', part by
                 # part in graphs (tools/probes/moe_router.py, a minute)
       run python3 tools/probes/moe_router.py 2>&1 | grep -v "it/s" | tee "$OUT/moe_router.log" ;;
