@@ -22,10 +22,11 @@ def one_row_cuda_wanted() -> bool:
     return os.environ.get(ONE_ROW_SWITCH) != "0"
 
 
-# "1": the one-row GEMVs are launched with programmatic dependent launch on sm_90 and later (a
-# GEMV fetches its first weights into L2 while the kernel ahead of it finishes; csrc/
-# one_row.cuh). Off: on an H200 it gave no TPOT gain, the kernels ahead of the GEMVs not
-# signalling early (docs/perf-notes.md, session 28)
+# "1": the one-row GEMVs (csrc/one_row.cuh: a GEMV fetches its first weights into L2 while the
+# kernel ahead of it finishes) and the decode step's Triton kernels (nanoserve/pdl.py) are
+# launched with programmatic dependent launch on sm_90 and later. Off: the GEMVs alone gave no
+# TPOT gain on an H200, the kernels ahead of them not signalling early (docs/perf-notes.md,
+# session 28); the whole chain is not yet measured
 PDL_SWITCH = "NANOSERVE_PDL"
 
 

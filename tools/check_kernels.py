@@ -7,7 +7,7 @@ own environment (the project's test environment has none):
 
     python -m venv /tmp/tv && . /tmp/tv/bin/activate
     pip install torch==2.13.0 triton==3.6.0 && pip install -e .
-    python tools/check_kernels.py
+    python tools/check_kernels.py [--pdl]
 """
 
 from __future__ import annotations
@@ -213,9 +213,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT),
                     help="compute capability to compile for (89: an L4 / L40 / RTX 4090)")
-    capability = ap.parse_args().capability
+    ap.add_argument("--pdl", action="store_true",
+                    help="compile the kernels as NANOSERVE_PDL=1 launches them (sm_90)")
+    args = ap.parse_args()
+    capability = args.capability
     shared: list[tuple[str, int]] = []
     compile_only(capability, shared)
+    if args.pdl:
+        from nanoserve import pdl
+        pdl.wanted = lambda t: True
     failed = 0
     for name, launch in cases():
         shared.clear()

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanoserve import pdl
 from nanoserve.attention import cuda_fp8_decode
 
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
@@ -157,8 +158,9 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
+    HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -282,10 +284,12 @@ def _merge_splits_kernel(
     MidO, MidLse, ExtraO, ExtraLse, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EXTRA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The splits BLOCK_S at a time, each step's weights rescaled to the running maximum of
     the log-sum-exps. EXTRA: one more partial, contiguous [batch, heads, d] float32 and
     [batch, heads] (the CPU's share of the row's tokens)."""
+    pdl.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -411,6 +415,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     # the group is padded to an MMA's N (8) when transposed, to its M (16) otherwise
     block_g = max(8 if tiles.transposed else 16, triton.next_power_of_2(group))
+    launch_pdl = pdl.wanted(q)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens,
         starts if starts is not None else context_lens, mid_o, mid_lse, scale,
@@ -426,7 +431,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
-        num_warps=tiles.num_warps,
+        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return None if direct else Partials(mid_o, mid_lse)
@@ -442,11 +447,12 @@ def merge_partials(parts: Partials, out: torch.Tensor,
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
     if extra is not None:
         assert x_o.is_contiguous() and x_lse.is_contiguous() and x_o.dtype == torch.float32
+    launch_pdl = pdl.wanted(out)
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=_MERGE_SPLITS,
-        EXTRA=extra is not None, num_warps=4,
+        EXTRA=extra is not None, PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=4,
     )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve import pdl
 from nanoserve.attention.triton_kv_store import fp8_scale, fp8_values
 from nanoserve.kv.fp8_format import FP8_MAX, MIN_SCALE
 
@@ -78,8 +79,9 @@ def _rope_store_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     t = tl.program_id(0)
     pos = tl.load(Positions + t)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -150,6 +152,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
     if not fp8:  # never read
         k_scale = v_scale = cos_sin
     scale_strides = k_scale.stride()[:3] if fp8 else (0, 0, 0)
+    launch_pdl = pdl.wanted(q)
     _rope_store_kernel[(tokens,)](
         q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, k_scale, v_scale,
         slot_mapping, eps,
@@ -160,6 +163,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
         BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
         HAS_NORM=qk_norm is not None, FP8=fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=4,
+        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=4,
     )
     return q_out, k_out

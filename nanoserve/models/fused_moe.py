@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanoserve import pdl
 from nanoserve.models.moe_tiles import MoETiles, padded_sizes, sort_pairs_reference, tiles_for
 
 ONE_PROGRAM_SORT_MAX = 1024  # pairs sorted by one Triton program; more: blocks of them
@@ -336,11 +337,12 @@ ROUTE_ONE_WARP_TOKENS = 16  # up to this many tokens (decode): a program of one 
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(Logits, Weights, Ids, T, E, stride_l, TOP_K: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NORMALIZE: tl.constexpr):
+                  NORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_T tokens: each one's softmax over its router logits in fp32, its top k (the
     lowest id among equal logits first), their probabilities renormalized to sum 1 when
     NORMALIZE. One pass of k argmaxes; the picks are kept in [BLOCK_T, BLOCK_K] and stored
     once."""
+    pdl.start(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     offs = tl.arange(0, BLOCK_E)
@@ -387,8 +389,9 @@ def pick(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
         block_t, warps = 1, 1
     else:  # [tokens, experts] within registers
         block_t, warps = max(1, min(ROUTE_TOKENS, 2048 // block_e)), 4
+    launch_pdl = pdl.wanted(logits)
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), NORMALIZE=norm_topk_prob,
-        num_warps=warps)
+        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=warps)
     return weights, ids

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve import pdl
+
 MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64
 MIN_COLUMNS = 4096  # fewer output columns leave SMs idle (a program per 32 or 64 of them)
 
@@ -39,9 +41,11 @@ def tiles_for(n: int) -> LinearTiles:
 @triton.jit
 def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                          PDL: tl.constexpr):
     # BLOCK_R: the rows x is read and worked on in (1 for one row with SiLU-multiply: its work
     # skips the dot's padding rows), BLOCK_M: the dot's (at least 16)
+    pdl.start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -90,12 +94,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert 0 < m <= MAX_ROWS and k % tiles.block_k == 0, (m, k, tiles)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
+    launch_pdl = pdl.wanted(x)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_R=1 if silu and m == 1 else block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, SILU=silu,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return y
 
 

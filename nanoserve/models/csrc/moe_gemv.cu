@@ -14,6 +14,9 @@
 // Rounding follows the Triton fused path (models/fused_moe.py): gate, up, silu (its exp and
 // division as Triton compiles them) and their product rounded to the activation dtype, each
 // slot's weighted output rounded, their sum in float32 rounded once. The dots' order differs.
+// Launched with programmatic dependent launch (p.pdl), each kernel waits for the kernel ahead
+// of it before it reads anything (the expert ids are that kernel's output) and lets the next
+// start once its dots are done.
 #include "moe_gemv.h"
 #include "one_row.cuh"
 
@@ -43,7 +46,8 @@ __device__ __forceinline__ void load_chunks(const T* const (&rows)[ROWS], const 
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     const int at = k + u * CHUNK;
-    x[u] = at < len ? __ldg(reinterpret_cast<const uint4*>(v + at)) : make_uint4(0, 0, 0, 0);
+    // coherent: under PDL v is the kernel ahead's output (one_row.cuh)
+    x[u] = at < len ? *reinterpret_cast<const uint4*>(v + at) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
       w[u][r] = at < len ? load_stream(rows[r] + at) : make_uint4(0, 0, 0, 0);
@@ -101,6 +105,7 @@ __device__ __forceinline__ float div_full(float a, float b) {
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_gate_up_kernel(MoeGemvParams p) {
+  one_row::pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = blockIdx.y;
   const T* gate_up = static_cast<const T*>(p.gate_up) + p.ids[slot] * 2 * p.inter * p.hidden;
@@ -113,6 +118,7 @@ __global__ void __launch_bounds__(THREADS) moe_gate_up_kernel(MoeGemvParams p) {
   }
   float dots[ROWS];
   rows_dot<T>(rows, static_cast<const T*>(p.x), p.hidden, lane, dots);
+  one_row::pdl_trigger();
   const int out = i0 + lane;
   if (lane < 2 && out < p.inter) {
     const float gate = rounded<T>(lane ? dots[1] : dots[0]);
@@ -124,6 +130,7 @@ __global__ void __launch_bounds__(THREADS) moe_gate_up_kernel(MoeGemvParams p) {
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
+  one_row::pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * ROWS;  // this CTA's outputs n0 .. n0 + ROWS - 1
   __shared__ float dots[MAX_SLOTS][ROWS];  // [slot][output]
@@ -140,6 +147,7 @@ __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
       for (int r = 0; r < ROWS; ++r) dots[slot][r] = d[r];
     }
   }
+  one_row::pdl_trigger();
   __syncthreads();
   const int out = n0 + threadIdx.x;
   if (threadIdx.x < ROWS && out < p.hidden) {
@@ -155,8 +163,9 @@ __global__ void __launch_bounds__(THREADS) moe_down_kernel(MoeGemvParams p) {
 template <typename T>
 void launch(const MoeGemvParams& p, cudaStream_t stream) {
   const dim3 gate_up_grid((p.inter + GATE_UP_OUTS - 1) / GATE_UP_OUTS, p.top_k);
-  moe_gate_up_kernel<T><<<gate_up_grid, THREADS, 0, stream>>>(p);
-  moe_down_kernel<T><<<(p.hidden + ROWS - 1) / ROWS, THREADS, 0, stream>>>(p);
+  one_row::launch(moe_gate_up_kernel<T>, gate_up_grid, dim3(THREADS), stream, p.pdl, p);
+  one_row::launch(moe_down_kernel<T>, dim3((p.hidden + ROWS - 1) / ROWS), dim3(THREADS), stream,
+                  p.pdl, p);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@ struct MoeGemvParams {
   void* y;              // [hidden]
   int hidden, inter, top_k;
   bool bf16;
+  bool pdl;             // launched with programmatic dependent launch (sm_90 and later)
 };
 
 // "" on success, else why nothing was launched

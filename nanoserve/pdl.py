@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (NANOSERVE_PDL=1,
+sm_90 and later; extensions.pdl_wanted). A kernel launched with it may start while the kernel
+ahead of it in the stream is still running; `start` at the top of the kernel waits for that
+kernel to finish (its writes visible), then lets the next kernel start in turn. Nothing is read
+or written before the wait, so any kernel may take it: it overlaps a launch and a kernel's
+prologue with the end of the kernel ahead, not any work. The one-row CUDA GEMVs do the same
+(csrc/one_row.cuh), their weights fetched before the wait. A kernel launched without PDL after
+one launched with it simply waits for it, as without PDL."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.extensions import pdl_wanted
+
+try:  # Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    AVAILABLE = True
+except ImportError:  # never traced: `start` is compiled with PDL false
+    gdc_launch_dependents = gdc_wait = None
+    AVAILABLE = False
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def wanted(t: torch.Tensor) -> bool:
+    """Whether kernels working on t launch with PDL: the switch is on and t is on a CUDA device
+    of sm_90 or later."""
+    return AVAILABLE and t.is_cuda and pdl_wanted(_capability(t.device.index or 0))
+
+
+@triton.jit
+def start(PDL: tl.constexpr):
+    """The first statement of a kernel launched with `launch_pdl=PDL`."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
