@@ -27,8 +27,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # a build killed by a step's timeout leaves torch's lock on its extension: the next build of it
-# waited forever (session 31). One device call runs at a time, so no build is under way here
-rm -f "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/*/lock
+# waited forever (session 31). Cleared unless a `bg` job runs (its build may hold one); torch
+# puts a build under $TORCH_EXTENSIONS_DIR/<name>, or <cache>/torch_extensions/<py_cu>/<name>
+if [ ! -f /tmp/bg/log ] || [ -f /tmp/bg/rc ]; then
+  find "${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/torch_extensions}" -maxdepth 3 \
+    -name lock -type f -delete 2>/dev/null
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 what=${*:-tests tests2 testsrest needle gen bench}

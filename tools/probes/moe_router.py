@@ -158,11 +158,13 @@ def main() -> None:
                for _ in range(copies)]
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     logits = torch.nn.functional.linear(x, routers[0])
-    cases = {
-        "engine: one-row GEMV logits + pick (a warp, k argmaxes)":
+    # one token: the engine's logits through the one-row GEMV (it takes one row only)
+    gemv = {"engine: one-row GEMV logits + pick (a warp, k argmaxes)":
             lambda r: fused_moe.pick(cuda_gemv.half_gemv(x, r), k, True),
+            "one-row GEMV logits alone": lambda r: cuda_gemv.half_gemv(x, r)} if t == 1 else {}
+    cases = {
+        **gemv,
         "cuBLAS logits + the engine's pick": lambda r: fused_moe.route(x, r, k, True),
-        "one-row GEMV logits alone": lambda r: cuda_gemv.half_gemv(x, r),
         "cuBLAS logits alone": lambda r: torch.nn.functional.linear(x, r),
         "engine pick alone (logits in L2)": lambda r: fused_moe.pick(logits, k, True),
         "one-pass pick alone (logits in L2)": lambda r: one_pass_pick(logits, k),
