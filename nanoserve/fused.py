@@ -9,7 +9,9 @@ to, and what the CPU engine runs. `set_enabled(False)` (the engine's `enable_fus
 turns fusion off in this process.
 
 The first call at a new shape class compiles (seconds); decode graphs are captured only after
-a warm-up run at each size, so compilation never happens inside a capture.
+a warm-up run at each size, so compilation never happens inside a capture. With NANOSERVE_PDL=1
+on Hopper the kernels launch with programmatic dependent launch, as the engine's own
+(nanoserve/pdl.py), where this torch's inductor has the option.
 """
 
 from __future__ import annotations
@@ -36,21 +38,41 @@ def is_enabled() -> bool:
     return _enabled
 
 
-def fused(fn: F) -> F:
-    compiled = None
+def _pdl_options(device: torch.device) -> dict:
+    """Inductor's kernels launched with programmatic dependent launch where the engine's are
+    (NANOSERVE_PDL=1, sm_90 and later; nanoserve/pdl.py), and where this torch has the option:
+    each waits for the kernel ahead before it reads what that kernel wrote, then lets the next
+    start. Decided at a function's first compile."""
+    from nanoserve.extensions import pdl_wanted
+    if not hasattr(torch._inductor.config.triton, "enable_pdl") or \
+            not pdl_wanted(torch.cuda.get_device_capability(device)):
+        return {}
+    return {"triton.enable_pdl": True}
 
+
+_compiled: dict[Callable, Callable] = {}  # each @fused function's compiled form, once made
+
+
+def forget_compiled() -> None:
+    """The next call of each @fused function compiles it again (with the options of then:
+    NANOSERVE_PDL as it is then); dynamo's caches are cleared too."""
+    _compiled.clear()
+    torch._dynamo.reset()
+
+
+def fused(fn: F) -> F:
     @functools.wraps(fn)
     def call(*args):
-        nonlocal compiled
         if not (_enabled and args[0].is_cuda):
             return fn(*args)
+        compiled = _compiled.get(fn)
         if compiled is None:
             # each model shape and dtype in a process compiles its own graphs (two: token
             # count 1, and any other); the default limit of 8 would fall back to eager
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        RECOMPILE_LIMIT)
-            compiled = torch.compile(fn, fullgraph=True,
-                                     options={"emulate_precision_casts": True})
+            compiled = _compiled[fn] = torch.compile(fn, fullgraph=True, options={
+                "emulate_precision_casts": True, **_pdl_options(args[0].device)})
         n = args[0].shape[0]
         if n > 1:  # the token dimension is dynamic from the first call on
             for a in args:

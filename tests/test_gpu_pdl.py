@@ -120,9 +120,11 @@ def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, 
 def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(arch, tmp_path,
                                                                              monkeypatch):
     """A tiny Qwen3 and Qwen3-MoE (every linear layer through the plain one-row GEMV, the
-    router's pick and rope, attention and its merge in Triton, the experts in CUDA), three
-    prompts one at a time in CUDA graphs: with NANOSERVE_PDL=1 every step's logits equal those
-    launched without it, bit for bit, and an eager engine under it decodes the same tokens."""
+    router's pick and rope, attention and its merge in Triton, the experts in CUDA, the norms
+    through inductor, compiled afresh each time), three prompts one at a time in CUDA graphs:
+    with NANOSERVE_PDL=1 every step's logits equal those launched without it, bit for bit, and
+    an eager engine under it decodes the same tokens."""
+    from nanoserve import fused
     from nanoserve.extensions import PDL_SWITCH
     shape = dict(GPU_SHAPE, num_experts=16, num_experts_per_tok=4) if arch == "qwen3_moe" \
         else GPU_SHAPE
@@ -132,6 +134,7 @@ def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
 
     def decode(flag: str, **kw):
         monkeypatch.setenv(PDL_SWITCH, flag)
+        fused.forget_compiled()  # inductor's kernels compiled under this flag
         llm = LLM(str(tmp_path), progress=False, page_size=16, max_graph_batch_size=4, **kw)
         runner, logits = llm.engine.runner, []
         forward = runner.forward
@@ -139,9 +142,12 @@ def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
         tokens = [llm.generate([p], greedy)[0].token_ids for p in prompts]
         return tokens, logits
 
-    tokens, plain = decode("0")
-    pdl_tokens, pdl = decode("1")
-    assert pdl_tokens == tokens and len(pdl) == len(plain) >= 3 * 12
-    for a, b in zip(pdl, plain, strict=True):
-        assert torch.equal(a, b)
-    assert decode("1", enforce_eager=True)[0] == tokens
+    try:
+        pdl_tokens, pdl = decode("1")
+        tokens, plain = decode("0")
+        assert pdl_tokens == tokens and len(pdl) == len(plain) >= 3 * 12
+        for a, b in zip(pdl, plain, strict=True):
+            assert torch.equal(a, b)
+        assert decode("1", enforce_eager=True)[0] == tokens
+    finally:
+        fused.forget_compiled()  # later tests compile under their own flag
