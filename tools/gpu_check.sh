@@ -292,20 +292,17 @@ for w in $what; do
         done
       done
       rm -f "$OUT"/*/bench.png ;;
-    pdl)  # issues 35-36: the one-row GEMVs with programmatic dependent launch (NANOSERVE_PDL=1)
-          # and without: their GPU tests (both ways), one layer, then batch-1 TPOT alternating
-          # PDL_FLAGS on one machine
+    pdl)  # issues 35-36: the decode step with programmatic dependent launch (NANOSERVE_PDL=1:
+          # the one-row GEMVs, the Triton kernels, inductor's) and without: the PDL GPU tests,
+          # then batch-1 TPOT alternating PDL_FLAGS on one machine, for PDL_MODELS (model:input
+          # length)
       run python3 -m pytest -q -m gpu tests/test_gpu_pdl.py tests/test_gpu_quant.py -k "cuda_gemv or pdl" \
         -p no:cacheprovider \
         2>&1 | tee "$OUT/pytest_pdl.log" | grep -E "passed|failed|^E  " | tail -20
-      for flag in 1 0; do
-        NANOSERVE_PDL=$flag run python3 tools/bench_quant.py --rows 1 --formats awq,fp8 2>&1 \
-          | grep -E "CUDA GEMV:|^(awq|fp8)" | sed "s/^/pdl=$flag /"
-      done
-      for m in ${PDL_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8}; do
+      for ml in ${PDL_MODELS-Qwen3-30B-A3B:4096 Qwen3-8B-FP8:32768 Qwen3-8B-AWQ:32768}; do
         for flag in ${PDL_FLAGS:-1 0 1 0}; do
-          NANOSERVE_PDL=$flag run python3 bench_offload.py --model $m --input-len 32768 \
-            --output-len 64 --resident-graph 2>&1 | grep -E "^resident" | sed "s/^/pdl=$flag $m /"
+          NANOSERVE_PDL=$flag run python3 bench_offload.py --model ${ml%%:*} --input-len ${ml##*:} \
+            --output-len 64 --resident-graph 2>&1 | grep -E "^resident" | sed "s/^/pdl=$flag ${ml%%:*} /"
         done
       done ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
