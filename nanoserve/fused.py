@@ -42,7 +42,10 @@ def _pdl_options(device: torch.device) -> dict:
     """Inductor's kernels launched with programmatic dependent launch where the engine's are
     (NANOSERVE_PDL=1, sm_90 and later; nanoserve/pdl.py), and where this torch has the option:
     each waits for the kernel ahead before it reads what that kernel wrote, then lets the next
-    start. Decided at a function's first compile."""
+    start. Decided at a function's first compile. Inductor places its wait by the buffers the
+    previous kernel of its graph touched, and a kernel with no loads has none; each @fused
+    function here loads its inputs and compiles to one kernel (to check on a GPU:
+    TORCH_LOGS=output_code shows gdc_wait first in each)."""
     from nanoserve.extensions import pdl_wanted
     if not hasattr(torch._inductor.config.triton, "enable_pdl") or \
             not pdl_wanted(torch.cuda.get_device_capability(device)):

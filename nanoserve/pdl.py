@@ -36,6 +36,12 @@ def wanted(t: torch.Tensor) -> bool:
     return AVAILABLE and t.is_cuda and pdl_wanted(_capability(t.device.index or 0))
 
 
+def launch_args(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel that opens with `start` and works on t: PDL, and
+    Triton's launch_pdl only where it is on (Triton before 3.4 refuses the option)."""
+    return {"PDL": True, "launch_pdl": True} if wanted(t) else {"PDL": False}
+
+
 @triton.jit
 def start(PDL: tl.constexpr):
     """The first statement of a kernel launched with `launch_pdl=PDL`."""

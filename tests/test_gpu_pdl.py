@@ -124,7 +124,7 @@ def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
     through inductor, compiled afresh each time), three prompts one at a time in CUDA graphs:
     with NANOSERVE_PDL=1 every step's logits equal those launched without it, bit for bit, and
     an eager engine under it decodes the same tokens."""
-    from nanoserve import fused
+    from nanoserve import fused, pdl
     from nanoserve.extensions import PDL_SWITCH
     shape = dict(GPU_SHAPE, num_experts=16, num_experts_per_tok=4) if arch == "qwen3_moe" \
         else GPU_SHAPE
@@ -132,14 +132,20 @@ def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
     prompts = random_prompts(3, [300, 17, 1000], vocab=2048, seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
+    launched = []  # the Triton kernels' choices: PDL really engaged under the flag
+    wanted = pdl.wanted
+    monkeypatch.setattr(pdl, "wanted", lambda t: launched.append(wanted(t)) or launched[-1])
+
     def decode(flag: str, **kw):
         monkeypatch.setenv(PDL_SWITCH, flag)
+        launched.clear()
         fused.forget_compiled()  # inductor's kernels compiled under this flag
         llm = LLM(str(tmp_path), progress=False, page_size=16, max_graph_batch_size=4, **kw)
         runner, logits = llm.engine.runner, []
         forward = runner.forward
         runner.forward = lambda inputs: logits.append(forward(inputs).clone()) or logits[-1]
         tokens = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+        assert launched and all(launched) == (flag == "1") and any(launched) == (flag == "1")
         return tokens, logits
 
     try:

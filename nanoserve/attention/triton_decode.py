@@ -415,7 +415,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     scale_strides = k_scale.stride()[:3] if scaled else (0, 0, 0)
     # the group is padded to an MMA's N (8) when transposed, to its M (16) otherwise
     block_g = max(8 if tiles.transposed else 16, triton.next_power_of_2(group))
-    launch_pdl = pdl.wanted(q)
+    pdl_args = pdl.launch_args(q)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens,
         starts if starts is not None else context_lens, mid_o, mid_lse, scale,
@@ -431,7 +431,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
-        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=tiles.num_warps,
+        **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return None if direct else Partials(mid_o, mid_lse)
@@ -447,12 +447,12 @@ def merge_partials(parts: Partials, out: torch.Tensor,
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
     if extra is not None:
         assert x_o.is_contiguous() and x_lse.is_contiguous() and x_o.dtype == torch.float32
-    launch_pdl = pdl.wanted(out)
+    pdl_args = pdl.launch_args(out)
     _merge_splits_kernel[(batch, heads)](
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=_MERGE_SPLITS,
-        EXTRA=extra is not None, PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=4,
+        EXTRA=extra is not None, **pdl_args, num_warps=4,
     )
     return out

@@ -152,7 +152,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
     if not fp8:  # never read
         k_scale = v_scale = cos_sin
     scale_strides = k_scale.stride()[:3] if fp8 else (0, 0, 0)
-    launch_pdl = pdl.wanted(q)
+    pdl_args = pdl.launch_args(q)
     _rope_store_kernel[(tokens,)](
         q, k, v, q_out, k_out, cos_sin, positions, q_w, k_w, k_cache, v_cache, k_scale, v_scale,
         slot_mapping, eps,
@@ -163,6 +163,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: t
         BLOCK_KH=triton.next_power_of_2(kv_heads), HEAD_DIM=d, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1],
         HAS_NORM=qk_norm is not None, FP8=fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=4,
+        **pdl_args, num_warps=4,
     )
     return q_out, k_out

@@ -14,7 +14,8 @@
 namespace one_row {
 
 // 16 bytes of weights, read once: not kept in L1. The non-coherent path: only for what no kernel
-// writes while this one runs (never a previous kernel's output under PDL, below)
+// writes while this one runs (never a previous kernel's output under PDL, below: ptxas may hoist
+// such loads above pdl_wait(), as it did the AWQ GEMV's weight loads in session 31's SASS)
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -389,9 +389,9 @@ def pick(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
         block_t, warps = 1, 1
     else:  # [tokens, experts] within registers
         block_t, warps = max(1, min(ROUTE_TOKENS, 2048 // block_e)), 4
-    launch_pdl = pdl.wanted(logits)
+    pdl_args = pdl.launch_args(logits)
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, weights, ids, t, e, logits.stride(0), TOP_K=top_k, BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), NORMALIZE=norm_topk_prob,
-        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=warps)
+        **pdl_args, num_warps=warps)
     return weights, ids

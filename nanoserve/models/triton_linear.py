@@ -94,13 +94,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert 0 < m <= MAX_ROWS and k % tiles.block_k == 0, (m, k, tiles)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    launch_pdl = pdl.wanted(x)
+    pdl_args = pdl.launch_args(x)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_R=1 if silu and m == 1 else block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, SILU=silu,
-        PDL=launch_pdl, launch_pdl=launch_pdl, num_warps=tiles.num_warps,
+        **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return y
 
