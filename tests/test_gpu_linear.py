@@ -37,8 +37,19 @@ def test_skinny_linear_refuses_what_it_cannot_take():
     assert supports(x, w)
     assert not supports(torch.zeros(65, 256, device="cuda", dtype=torch.bfloat16), w)
     assert not supports(x[:, :100], w[:, :100])  # k not a multiple of the tile
-    assert not supports(x, w[:1024])  # too few columns to fill the SMs
     assert not supports(x.float(), w.float())
+
+
+@needs_cuda
+def test_linear_leaves_the_skinny_matmul_weights_too_narrow_to_fill_the_sms():
+    """layers.Linear at one row: the skinny matmul from SKINNY_MIN_COLUMNS outputs on, not
+    below (the plain one-row CUDA GEMV takes those)."""
+    from nanoserve.models.layers import SKINNY_MIN_COLUMNS, Linear
+    x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
+    for n in (SKINNY_MIN_COLUMNS, 2 * SKINNY_MIN_COLUMNS):
+        assert Linear(256, n, bias=False, device="cuda", dtype=torch.bfloat16).skinny(x)
+    for n in (128, SKINNY_MIN_COLUMNS - 32):
+        assert not Linear(256, n, bias=False, device="cuda", dtype=torch.bfloat16).skinny(x)
 
 
 @needs_cuda

@@ -37,7 +37,7 @@ from nanoserve.kv.pages import pages_needed
 from nanoserve.kv.spec import KVSpec
 from nanoserve.models import cuda_moe
 from nanoserve.models.decoder import CausalLM
-from nanoserve.models.layers import Linear
+from nanoserve.models.layers import SKINNY_MIN_COLUMNS, Linear
 from nanoserve.models.loader import load_model
 from nanoserve.models.moe import SparseMoE
 from nanoserve.quant import QuantizedLinear, cuda_gemv
@@ -157,12 +157,11 @@ class ModelRunner:
         FP8 layers, 16-bit layers narrower than the skinny matmul takes, MoE experts) now: an
         eager engine has no graph warm-up, and its first decode step would build them inside a
         request (nvcc: up to a minute)."""
-        from nanoserve.models.triton_linear import MIN_COLUMNS  # CUDA installs: Triton
         layers = list(self.model.modules())
         if any(isinstance(m, QuantizedLinear) and
                (m.quant.method == "awq" or m.quant.method.startswith("fp8")) for m in layers) \
                 or any(isinstance(m, Linear) and m.bias is None and
-                       m.out_features < MIN_COLUMNS and m.weight.dtype in cuda_gemv.HALF
+                       m.out_features < SKINNY_MIN_COLUMNS and m.weight.dtype in cuda_gemv.HALF
                        for m in layers):
             cuda_gemv.load()
         if any(isinstance(m, SparseMoE) for m in layers):

@@ -71,6 +71,9 @@ class RMSNorm(nn.Module):
 # one row: 0.22 ms a step faster than cuBLAS on an H200 (Qwen3-8B); 16 rows: the same; 64 rows:
 # 0.39 ms slower (tools/bench_linear.py)
 SKINNY_MAX_ROWS = 1
+# the skinny matmul's fewest outputs: fewer leave SMs idle (a program per 32 or 64 of them); the
+# plain one-row CUDA GEMV takes the narrower 16-bit weights
+SKINNY_MIN_COLUMNS = 4096
 # rows at which the MLP's down projection takes cuBLASLt's bias-epilogue kernels, which torch
 # uses for a 1-D bias (a zero one where the layer has none): on an H200, Qwen3-8B's down (k
 # 12288, n 4096) at 32 / 48 / 64 rows, 27.4 / 27.8 / 28.3 us against cuBLAS's 28.8 / 30.3 /
@@ -107,7 +110,7 @@ class Linear(nn.Linear):
     def skinny(self, x: torch.Tensor, silu: bool = False) -> bool:
         """Whether this product of x runs the skinny kernels."""
         if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and
-                fusion_enabled()):
+                self.out_features >= SKINNY_MIN_COLUMNS and fusion_enabled()):
             return False
         # imported here: Triton exists only with CUDA
         from nanoserve.models.triton_linear import supports

@@ -21,7 +21,6 @@ import triton.language as tl
 from nanoserve import pdl
 
 MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64
-MIN_COLUMNS = 4096  # fewer output columns leave SMs idle (a program per 32 or 64 of them)
 
 
 class LinearTiles(NamedTuple):
@@ -77,12 +76,13 @@ def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_y
 
 def supports(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
     """Whether the skinny kernels take this product: CUDA, half precision, at most MAX_ROWS
-    rows, at least MIN_COLUMNS outputs, contiguous rows, k a multiple of the tile. With `silu`
+    rows, contiguous rows, k a multiple of the tile (layers.Linear also asks for
+    SKINNY_MIN_COLUMNS outputs: fewer leave SMs idle). With `silu`
     x's rows are [gate | up], twice the weight's k."""
     n, k = weight.shape
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and \
         weight.dtype == x.dtype and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and \
-        n >= MIN_COLUMNS and x.stride(1) == 1 and weight.stride(1) == 1 and \
+        x.stride(1) == 1 and weight.stride(1) == 1 and \
         x.shape[1] == (2 * k if silu else k) and k % tiles_for(n).block_k == 0
 
 
