@@ -64,6 +64,10 @@ class Tiles(NamedTuple):
     # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
     cuda_split_factor: float = 0.25
+    # bf16 tiles within a page: V's tile loaded with K's, before the scores (a split of one or
+    # two tiles, as at short contexts, then waits on one memory latency, not two; more
+    # registers held through the dot). Not yet measured (tools/tune_decode.py --v-early)
+    v_early: bool = False
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -158,7 +162,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
-    HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr, V_EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.start(PDL)
     b = tl.program_id(0)
@@ -217,6 +221,9 @@ def _decode_split_kernel(
                 k = tl.load(k_at)
             else:
                 k = tl.load(k_at, mask=d_mask[None, :], other=0.0)
+            if V_EARLY:  # masked: rows past ctx_len may be NaNs
+                v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot = tok % PAGE_SIZE
@@ -242,10 +249,10 @@ def _decode_split_kernel(
         if IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
             v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
                         + offs_d[None, :])
-        elif IN_PAGE:  # masked: their bytes may be NaNs
+        elif IN_PAGE and not V_EARLY:  # masked: their bytes may be NaNs
             v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-        elif not TMA:
+        elif not TMA and not IN_PAGE:
             v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
                         + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
@@ -431,6 +438,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
+        V_EARLY=tiles.v_early and not scaled and not tiles.tma and page_size % tiles.block_n == 0,
         **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
