@@ -45,6 +45,9 @@ from nanoserve.attention import cuda_fp8_decode
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
 
+_MERGE_SPLITS = 16  # splits the merge kernel reads a step: one compiled merge for every count
+
+
 class Tiles(NamedTuple):
     """Stage 1's launch settings: KV tokens per tile, warps, pipeline stages; for FP8 KV
     whether the dots run in float16 (e4m3 converts to float16 in one instruction, to bfloat16
@@ -68,6 +71,10 @@ class Tiles(NamedTuple):
     # two tiles, as at short contexts, then waits on one memory latency, not two; more
     # registers held through the dot). Not yet measured (tools/tune_decode.py --v-early)
     v_early: bool = False
+    # splits the merge kernel reads a step (_MERGE_SPLITS by default): at 64 splits, as a short
+    # context's single tiles give, 16 a step is four rounds of loads one after another. Not yet
+    # measured (tools/tune_decode.py --merge-splits)
+    merge_splits: int = _MERGE_SPLITS
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -145,7 +152,6 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
 # other tokens than the resident engine (tests/test_gpu_cpu_share.py, bisected on an H200 in
 # session 24); unspecialized, it equals the resident engine.
 _SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
-_MERGE_SPLITS = 16  # splits the merge kernel reads a step: one compiled merge for every count
 
 
 @triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_pt"])
@@ -363,7 +369,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     k_scale, v_scale, tiles, None)
     if parts is None:  # one split: stage 1 wrote the output
         return out
-    return merge_partials(parts, out)
+    return merge_partials(parts, out, block_s=tiles.merge_splits if tiles else _MERGE_SPLITS)
 
 
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -446,10 +452,11 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
 
 
 def merge_partials(parts: Partials, out: torch.Tensor,
-                   extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   block_s: int = _MERGE_SPLITS) -> torch.Tensor:
     """Stage 2: the splits merged by their log-sum-exps into out [batch, heads, d], with
     `extra` (output [batch, heads, d] and LSE [batch, heads], float32, contiguous: the CPU's
-    share of the same rows) merged in too."""
+    share of the same rows) merged in too. block_s: splits read a step (a power of two)."""
     mid_o, mid_lse = parts
     batch, heads, num_splits, d = mid_o.shape
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
@@ -460,7 +467,7 @@ def merge_partials(parts: Partials, out: torch.Tensor,
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=_MERGE_SPLITS,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s,
         EXTRA=extra is not None, **pdl_args, num_warps=4,
     )
     return out
