@@ -100,3 +100,24 @@ def test_programmatic_dependent_launch_only_when_asked_and_on_sm90(monkeypatch):
     monkeypatch.setenv(PDL_SWITCH, "1")
     assert pdl_wanted((9, 0)) and pdl_wanted((10, 0))
     assert not pdl_wanted((8, 9)) and not pdl_wanted((8, 0))
+
+
+def test_pdl_is_asked_of_inductor_only_on_hopper_with_the_switch_on(monkeypatch):
+    """fused._pdl_options: inductor's `triton.enable_pdl` where NANOSERVE_PDL=1 and the device is
+    sm_90 or later (and this torch has the option), nothing otherwise; pdl_wanted likewise."""
+    import torch
+
+    from nanoserve import fused
+    from nanoserve.extensions import PDL_SWITCH, pdl_wanted
+    dev = torch.device("cuda", 0)
+    for switch, capability, want in (("1", (9, 0), True), ("1", (10, 0), True),
+                                     ("1", (8, 9), False), ("0", (9, 0), False),
+                                     (None, (9, 0), False)):
+        if switch is None:
+            monkeypatch.delenv(PDL_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(PDL_SWITCH, switch)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert pdl_wanted(capability) == want
+        has = hasattr(torch._inductor.config.triton, "enable_pdl")
+        assert fused._pdl_options(dev) == ({"triton.enable_pdl": True} if want and has else {})
