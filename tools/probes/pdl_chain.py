@@ -21,12 +21,16 @@ saving. Usage (GPU): python tools/probes/pdl_chain.py [--chain 32] [--reps 7]
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tools/: bench_quant's timing
+from bench_quant import graph_time_us  # noqa: E402
 
 
 @triton.jit
@@ -62,29 +66,6 @@ def _gemv(W, X, Y, K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
         if k0 + BLOCK_K < K:
             w = tl.load(w_at + k0 + BLOCK_K)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty))
-
-
-def graph_us(calls: list, reps: int) -> float:
-    """Median over reps of one replay of a graph of `calls`, in us a call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def elementwise(x: torch.Tensor, y: torch.Tensor, pdl: bool):
@@ -128,7 +109,7 @@ def main() -> None:
           f"us a kernel (median of {a.reps} replays)")
     for kind, modes in (("tiny", ("plain", "pdl")), ("wide", ("plain", "pdl")),
                         ("gemv", ("plain", "pdl", "early")), ("mixed", ("plain", "pdl", "early"))):
-        times = {m: graph_us(chain(kind, m), a.reps) for m in modes}
+        times = {m: graph_time_us(chain(kind, m), a.reps) for m in modes}
         # the chains' results agree: PDL changes when a kernel starts, never what it reads
         bufs = small if kind != "wide" else big
         start = [b.clone() for b in bufs]
