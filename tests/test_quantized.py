@@ -82,8 +82,8 @@ def test_transformers_own_reading_of_an_fp8_checkpoint_gives_the_same_logits(sou
 
 def test_the_weights_stay_quantized_in_memory(quantized):
     """The linear layers hold their checkpoint's tensors (fp8 or packed int32, a quarter or a
-    half of float32's bytes with the scales; GPTQ in order repacked as AWQ's, act-order GPTQ
-    as it is), and the model's memory counts them so."""
+    half of float32's bytes with the scales; GPTQ in groups of 32 repacked as AWQ's, act-order
+    too, GPTQ in groups of 16 as it is), and the model's memory counts them so."""
     name, path, _ = quantized
     model = make_llm(path, page_size=8).engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
@@ -95,21 +95,24 @@ def test_the_weights_stay_quantized_in_memory(quantized):
     assert held < dense * (0.3 if "fp8" in name else 0.2), held / dense
     cfg = ModelConfig.from_dir(path)
     want = sum(p.numel() * p.element_size() for p in model.parameters())
-    # GPTQ in order runs as AWQ (formats.gptq_as_awq): its g_idx, counted by the plan, is gone
+    # GPTQ runs as AWQ (formats.gptq_as_awq): its g_idx, counted by the plan, is gone
     repacked = [m for m in model.modules() if isinstance(m, QuantizedLinear) and
                 cfg.quantization.method == "gptq" and m.quant.method == "awq"]
-    assert bool(repacked) == (name == "gptq group 32"), name
+    assert bool(repacked) == name.startswith("gptq group 32"), name
+    assert all((m.input_order is not None) == ("act-order" in name) for m in repacked), name
     want += sum(len(m.shard_sizes) * m.in_features * 4 for m in repacked)
     assert model_bytes(cfg, torch.float32, 0, tp=1) == want
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("v2", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
-def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch):
-    """formats.gptq_as_awq: GPTQ tensors with groups in order (v1 zero points stored less one,
-    v2 as they are) as AWQ's dequantize to the same values exactly, repacked in chunks of a few
-    rows too; a v1 zero point stored as 15 (read as 16) and a group size AWQ's GPU kernels are
-    not tested at (16) are left as GPTQ."""
+def test_gptq_repacks_as_awq_with_equal_weights(v2, group, act_order, monkeypatch):
+    """formats.gptq_as_awq: GPTQ tensors (v1 zero points stored less one, v2 as they are) as
+    AWQ's dequantize to the same values exactly, repacked in chunks too (of a few rows in
+    order, of a few columns by act-order, whose AWQ input i is GPTQ's input order[i]); a v1 zero
+    point stored as 15 (read as 16) and a group size AWQ's GPU kernels are not tested at (16)
+    are left as GPTQ."""
     from nanoserve.quant import formats
     k, n = 512, 96
     gen = torch.Generator().manual_seed(group + v2)
@@ -119,12 +122,20 @@ def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch)
              qzeros=torch.randint(0, 15 if not v2 else 16, (k // group, n), generator=gen),
              scales=torch.rand(k // group, n, generator=gen).half(),
              g_idx=(torch.arange(k) // group).int())
+    order = None
+    if act_order:  # the groups over a random order of the inputs; the inputs sorted by group
+        t["g_idx"] = t["g_idx"][torch.randperm(k, generator=gen)]
+        order = torch.argsort(t["g_idx"], stable=True)
+        assert torch.equal(t["g_idx"][order], (torch.arange(k) // group).int())
     t["qzeros"] = formats._pack(t["qzeros"], 1)
     want = formats.dequantize(gptq, t, n, k, torch.float64)
+    if act_order:
+        want = want[:, order]
     awq = QuantConfig("awq", group_size=group)
-    for chunk in (formats.GPTQ_REPACK_BYTES, 32 * n * 3):  # one chunk; 3 words of rows each
+    # one chunk; 3 words of rows each (in order), 16 columns each (act-order)
+    for chunk in (formats.GPTQ_REPACK_BYTES, 32 * (k // 8) * 16 if act_order else 32 * n * 3):
         monkeypatch.setattr(formats, "GPTQ_REPACK_BYTES", chunk)
-        qweight, qzeros = formats.gptq_as_awq(gptq, t["qweight"], t["qzeros"])
+        qweight, qzeros = formats.gptq_as_awq(gptq, t["qweight"], t["qzeros"], order)
         assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
         got = formats.dequantize(awq, dict(qweight=qweight, qzeros=qzeros, scales=t["scales"]),
                                  n, k, torch.float64)
@@ -140,13 +151,17 @@ def test_gptq_in_order_repacks_as_awq_with_equal_weights(v2, group, monkeypatch)
     assert formats.gptq_as_awq(sixteen, t["qweight"], t["qzeros"]) is None
 
 
-def test_gptq_layers_that_awqs_layout_cannot_hold_stay_gptq():
-    """QuantizedLinear.finish_loading leaves as GPTQ, with the same weights: inputs that are not
-    whole groups (48 inputs, groups of 32), groups out of order (act-order), one shard's
-    g_idx unlike another's; in order over whole groups it becomes AWQ, g_idx gone."""
+def test_gptq_layers_run_as_awq_where_awqs_layout_holds_them():
+    """QuantizedLinear.finish_loading makes GPTQ over whole groups AWQ, g_idx gone: in order,
+    and by act-order (its inputs sorted by group, input_order keeping the order); the same
+    weights in the checkpoint's input order, and AWQ's rows are the inputs in input_order, as
+    the kernels read x (y equal within float64 rounding). It leaves as GPTQ, with the same
+    weights: inputs that are not whole groups (48 inputs, groups of 32), one shard's g_idx
+    unlike another's, groups of unequal sizes."""
+    from nanoserve.quant.formats import dequantize
     gen = torch.Generator().manual_seed(0)
-    cases = {"whole groups": (64, None), "48 inputs": (48, None),
-             "act-order": (64, "permuted"), "shards differ": (64, "one shard permuted")}
+    cases = {"whole groups": (64, None), "act-order": (64, "permuted"), "48 inputs": (48, None),
+             "shards differ": (64, "one shard permuted"), "uneven groups": (64, "uneven")}
     for label, (k, g_idx) in cases.items():
         layer = QuantizedLinear(k, [16, 8], False, QuantConfig("gptq", group_size=32),
                                 torch.float16)
@@ -155,11 +170,22 @@ def test_gptq_layers_that_awqs_layout_cannot_hold_stay_gptq():
             layer.g_idx[-1] = layer.g_idx[-1][torch.randperm(k, generator=gen)]
             if g_idx == "permuted":
                 layer.g_idx[0] = layer.g_idx[-1]
+            if g_idx == "uneven":  # 33 inputs in group 0, 31 in group 1
+                layer.g_idx[:, layer.g_idx[0].tolist().index(1)] = 0
         want = layer.dequantized(torch.float64)
         layer.finish_loading(label)
-        assert layer.quant.method == ("awq" if label == "whole groups" else "gptq"), label
-        assert hasattr(layer, "g_idx") == (label != "whole groups"), label
+        as_awq = label in ("whole groups", "act-order")
+        assert layer.quant.method == ("awq" if as_awq else "gptq"), label
+        assert hasattr(layer, "g_idx") != as_awq, label
+        assert (layer.input_order is not None) == (label == "act-order"), label
         assert torch.equal(layer.dequantized(torch.float64), want), label
+        if as_awq:  # AWQ's own rows, as the kernels read them: x in input_order
+            rows = torch.cat([dequantize(layer.quant, layer.shard_tensors(i), n, k,
+                                         torch.float64)
+                              for i, n in enumerate(layer.shard_sizes)])
+            x = torch.randn(3, k, dtype=torch.float64, generator=gen)
+            read = x if layer.input_order is None else x.index_select(1, layer.input_order)
+            assert torch.allclose(read @ rows.T, x @ want.T, rtol=1e-12, atol=1e-12), label
 
 
 def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
@@ -173,10 +199,11 @@ def test_dummy_weights_of_a_quantized_shape_run_quantized(tmp_path, source):
             f.unlink()
         llm = make_llm(path, dummy_weights=True, page_size=8)
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-        # dummy GPTQ's groups run in order, as AWQ, unless the config says act-order (its
-        # g_idx then permuted, as such a checkpoint's)
+        # dummy GPTQ runs as AWQ; act-order's g_idx permuted, as such a checkpoint's, its
+        # inputs then read in their groups' order
         act_order = options.get("act_order", False)
-        assert qkv.quant.method == ("awq" if method == "gptq" and not act_order else method)
+        assert qkv.quant.method == ("awq" if method == "gptq" else method)
+        assert (qkv.input_order is not None) == act_order
         w = qkv.dequantized(torch.float32)
         assert 0.01 < w.std().item() < 0.04, (method, w.std().item())
         out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -159,22 +159,30 @@ GPTQ_REPACK_BYTES = 1 << 26  # a chunk of gptq_as_awq's unpacked values (int32; 
 
 
 @torch.no_grad()
-def gptq_as_awq(q: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def gptq_as_awq(q: QuantConfig, qweight: torch.Tensor, qzeros: torch.Tensor,
+                order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GPTQ weight whose groups run in order (g_idx = input // group, checked by the caller)
     as AWQ's (qweight [k, n / 8], qzeros [k / g, n / 8]; the scales are the same tensor): the
-    same weights, dequantize's values equal, where AWQ's kernels read them. None where AWQ's
-    layout cannot hold it (a v1 zero point stored as 15 reads as 16: see dequantize) or its
-    group size is not one of AWQ's usual 32, 64 and 128.
-    Works through k in chunks of GPTQ_REPACK_BYTES of unpacked values."""
+    same weights, dequantize's values equal, where AWQ's kernels read them. `order` (act-order:
+    the inputs sorted by group, g_idx[order] = input // group): AWQ's row i is GPTQ's input
+    order[i], so the layer's x is read in that order too. None where AWQ's layout cannot hold
+    it (a v1 zero point stored as 15 reads as 16: see dequantize) or its group size is not one
+    of AWQ's usual 32, 64 and 128. Works in chunks of GPTQ_REPACK_BYTES of unpacked values
+    (through k in order, through n by act-order)."""
     zeros = _unpack(qzeros, 1) + (1 if q.zeros_less_one else 0)  # [groups, n]
     if q.group_size not in (32, 64, 128) or zeros.max().item() > 15:
         return None  # (other groups: AWQ's GPU kernels are not tested there)
     words, n = qweight.shape
-    rows = max(1, GPTQ_REPACK_BYTES // (32 * n))  # of qweight's words, 8 inputs each
     awq = torch.empty(8 * words, n // 8, dtype=torch.int32, device=qweight.device)
-    for r in range(0, words, rows):
-        awq[8 * r:8 * (r + rows)] = _pack(_unpack(qweight[r:r + rows], 0), 1, AWQ_ORDER)
+    if order is None:
+        rows = max(1, GPTQ_REPACK_BYTES // (32 * n))  # of qweight's words, 8 inputs each
+        for r in range(0, words, rows):
+            awq[8 * r:8 * (r + rows)] = _pack(_unpack(qweight[r:r + rows], 0), 1, AWQ_ORDER)
+    else:  # every input of a column at once: chunks of whole words of AWQ's outputs
+        cols = max(8, GPTQ_REPACK_BYTES // (32 * words) // 8 * 8)
+        for c in range(0, n, cols):
+            awq[:, c // 8:(c + cols) // 8] = _pack(_unpack(qweight[:, c:c + cols], 0)[order],
+                                                   1, AWQ_ORDER)
     return awq, _pack(zeros, 1, AWQ_ORDER)
 
 

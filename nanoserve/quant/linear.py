@@ -42,6 +42,8 @@ class QuantizedLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=spec.dtype),
                                                        requires_grad=False))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        # act-order GPTQ run as AWQ: the order its kernels read the inputs in (_gptq_as_awq)
+        self.register_buffer("input_order", None, persistent=False)
 
     def tp_dim(self, name: str) -> int | None:
         """The dimension of tensor `name` (counted from the end: a checkpoint's shard tensor and
@@ -71,20 +73,26 @@ class QuantizedLinear(nn.Module):
         self._gptq_as_awq()
 
     def _gptq_as_awq(self) -> None:
-        """The layer's GPTQ tensors repacked as AWQ's, and its format AWQ, where its groups run
-        in order over whole groups of inputs and AWQ's layout holds its zero points; g_idx then
-        goes (the memory plan, made from the checkpoint's tensors, counted its 4 bytes an
-        input)."""
+        """The layer's GPTQ tensors repacked as AWQ's, and its format AWQ, where its inputs
+        fall into whole groups, its shards share one g_idx and AWQ's layout holds its zero
+        points; g_idx then goes (the memory plan, made from the checkpoint's tensors, counted
+        its 4 bytes an input). Act-order (the groups not in input order): the inputs sorted by
+        group, `input_order` holding the order, in which the kernels then read x (one gather
+        a product) for AWQ's kernels in place of the element-by-element act-order GEMM."""
         q, k = self.quant, self.in_features
-        in_order = torch.arange(k, device=self.g_idx.device, dtype=self.g_idx.dtype) // \
-            q.group_size
-        if k % q.group_size or not all(torch.equal(g, in_order) for g in self.g_idx):
+        g_idx = self.g_idx[0]
+        in_order = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // q.group_size
+        if k % q.group_size or not all(torch.equal(g, g_idx) for g in self.g_idx):
             return
-        awq = gptq_as_awq(q, self.qweight, self.qzeros)
+        order = None if torch.equal(g_idx, in_order) else torch.argsort(g_idx, stable=True)
+        if order is not None and not torch.equal(g_idx[order], in_order):
+            return  # groups of other sizes than group_size
+        awq = gptq_as_awq(q, self.qweight, self.qzeros, order)
         if awq is None:
             return
         self.qweight = nn.Parameter(awq[0], requires_grad=False)
         self.qzeros = nn.Parameter(awq[1], requires_grad=False)
+        self.input_order = None if order is None else order.to(torch.int32)
         del self.g_idx
         self.quant = QuantConfig("awq", group_size=q.group_size, skip=q.skip)
         self.specs = [tensor_specs(self.quant, n, k, self.scales.dtype)
@@ -106,14 +114,19 @@ class QuantizedLinear(nn.Module):
         return {name: self.shard_view(name, shard) for name in self.specs[shard]}
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [out_features, in_features] in `dtype`."""
-        return torch.cat([dequantize(self.quant, self.shard_tensors(i), n, self.in_features,
-                                     dtype) for i, n in enumerate(self.shard_sizes)])
+        """W [out_features, in_features] in `dtype` (inputs in the checkpoint's order)."""
+        w = torch.cat([dequantize(self.quant, self.shard_tensors(i), n, self.in_features, dtype)
+                       for i, n in enumerate(self.shard_sizes)])
+        if self.input_order is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.input_order.long(), w)
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:
         for shard in range(len(self.shard_sizes)):
             fill_dummy(self.quant, self.shard_tensors(shard), generator)
+        if hasattr(self, "g_idx"):  # one order for all shards: GPTQ orders a layer's inputs
+            self.g_idx[1:] = self.g_idx[0]  # by their Hessian, which q, k and v (gate and up) share
         if self.bias is not None:
             self.bias.zero_()
 
@@ -135,7 +148,7 @@ class QuantizedLinear(nn.Module):
         except ImportError:  # a CUDA install without Triton: the reference path
             return None
         args = self._kernel_args()
-        x = x.contiguous()
+        x = x.contiguous() if self.input_order is None else x.index_select(1, self.input_order)
         if args is not None and x.shape[0] == 1:
             from nanoserve.quant import cuda_gemv
             y = cuda_gemv.one_row(x, args)
