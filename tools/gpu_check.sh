@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -305,6 +305,17 @@ for w in $what; do
             --output-len 64 --resident-graph 2>&1 | grep -E "^resident" | sed "s/^/pdl=$flag ${ml%%:*} /"
         done
       done ;;
+    gptqactorder)  # issue 36: act-order GPTQ (Qwen3-8B's shape, dummy weights) run as AWQ with
+                   # its inputs sorted (quant/linear.py's input_order) against the element-by-
+                   # element act-order GEMM (the repack skipped for act-order), alternating
+      G=/tmp/gptq-act-order; mkdir -p $G
+      python3 -c "import json; c = json.load(open('nanoserve/model_configs/Qwen3-8B-AWQ/config.json')); c['quantization_config'] = {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'desc_act': True, 'sym': True}; json.dump(c, open('$G/config.json', 'w'))"
+      sed 's/^        awq = gptq_as_awq(q, self.qweight, self.qzeros, order)$/        if order is not None:\n            return\n&/' \
+        nanoserve/quant/linear.py > /tmp/linear_act_order_apart.py
+      grep -q "if order is not None:" /tmp/linear_act_order_apart.py || echo "=== the skip was not inserted"
+      AB_FILE=nanoserve/quant/linear.py AB_OTHER=/tmp/linear_act_order_apart.py AB_CMD="python3 \
+        bench_offload.py --model $G --dummy-weights --input-len 32768 --output-len 32 \
+        --resident-graph" bash tools/gpu_check.sh ab ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
             # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
