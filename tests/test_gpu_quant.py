@@ -21,7 +21,10 @@ FORMATS = {"fp8 block 128": ("fp8_block", {}),
            "fp8 block 16x32": ("fp8_block", {"block": (16, 32)}),
            "fp8 channel": ("fp8_channel", {}), "fp8 tensor": ("fp8_tensor", {}),
            "awq": ("awq", {"group": 32}),
+           # act-order in groups of 32 runs as AWQ, its inputs sorted (QuantizedLinear.
+           # input_order); in groups of 16 it stays GPTQ, the element-by-element act-order GEMM
            "gptq act-order": ("gptq", {"group": 32, "act_order": True}),
+           "gptq act-order group 16": ("gptq", {"group": 16, "act_order": True}),
            "gptq_v2": ("gptq", {"group": 16, "v2": True})}
 
 
@@ -48,6 +51,7 @@ def test_the_quantized_gemm_equals_the_reference_dequantization(source, tmp_path
     llm = make_gpu_llm(tmp_path, dtype="bfloat16", max_model_len=1024)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers
+    assert all((m.input_order is not None) == (name == "gptq act-order") for m in layers)
     for layer in layers:
         w = layer.dequantized(torch.float64)
         args = layer._kernel_args()
