@@ -12,9 +12,9 @@ not fill whole blocks), so each shard dequantizes alone.
   qzeros int32 [k / g, n / 8] packed alike; scales [k / g, n]; W[k, n] = (q - z) * s of k's group.
 - gptq: qweight int32 [k / 8, n], eight 4-bit inputs a word in order; qzeros int32 [k / g, n / 8],
   outputs in order, stored less one (checkpoint_format gptq); scales [k / g, n]; g_idx int32 [k],
-  each input's group (act-order permutes them), one per shard. Groups in order (no act-order)
-  are the same weights as AWQ's with other packing: `gptq_as_awq` repacks them at load time, so
-  that AWQ's kernels run them.
+  each input's group (act-order permutes them), one per shard. Groups in order are the same
+  weights as AWQ's with other packing, and act-order's too with its inputs sorted by group:
+  `gptq_as_awq` repacks them at load time, so that AWQ's kernels run them.
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ class QuantizedLinear(nn.Module):
         this rank's first group (under tensor parallelism a row-parallel rank holds a run of
         groups, the checkpoint numbers them globally; at TP=1 this changes nothing). ValueError
         where the rank's inputs reach groups it does not hold: a g_idx out of order (act-order)
-        though the config says desc_act false. Then GPTQ whose groups run in order becomes
-        AWQ (formats.gptq_as_awq), whose kernels are faster (the one-row CUDA GEMV, the
-        tensor-core GEMM at few rows)."""
+        though the config says desc_act false. Then GPTQ over whole groups becomes AWQ
+        (formats.gptq_as_awq; act-order with its inputs sorted by group: _gptq_as_awq), whose
+        kernels are faster (the one-row CUDA GEMV, the tensor-core GEMM at few rows)."""
         if self.quant.method != "gptq":
             return
         self.g_idx -= self.g_idx.min()
