@@ -132,8 +132,8 @@ def test_gptq_repacks_as_awq_with_equal_weights(v2, group, act_order, monkeypatc
     if act_order:
         want = want[:, order]
     awq = QuantConfig("awq", group_size=group)
-    # one chunk; 3 words of rows each (in order), 16 columns each (act-order)
-    for chunk in (formats.GPTQ_REPACK_BYTES, 32 * (k // 8) * 16 if act_order else 32 * n * 3):
+    # one chunk; 3 words of rows each (in order), 40 columns each, the last 16 (act-order)
+    for chunk in (formats.GPTQ_REPACK_BYTES, 32 * (k // 8) * 40 if act_order else 32 * n * 3):
         monkeypatch.setattr(formats, "GPTQ_REPACK_BYTES", chunk)
         qweight, qzeros = formats.gptq_as_awq(gptq, t["qweight"], t["qzeros"], order)
         assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
