@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("nanoserve")
@@ -34,6 +35,14 @@ def pdl_wanted(capability: tuple[int, int]) -> bool:
     """Whether kernels that support it launch with programmatic dependent launch on a device
     of this compute capability."""
     return os.environ.get(PDL_SWITCH) == "1" and capability >= (9, 0)
+
+
+@cache
+def device_capability(index: int) -> tuple[int, int]:
+    """CUDA device `index`'s compute capability, asked once (the one-row kernels ask at every
+    eager launch)."""
+    import torch
+    return torch.cuda.get_device_capability(index)
 
 
 def load_extension(name: str, sources: list[Path], what: str, **kw):

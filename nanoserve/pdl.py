@@ -9,13 +9,11 @@ one launched with it simply waits for it, as without PDL."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.extensions import pdl_wanted
+from nanoserve.extensions import device_capability, pdl_wanted
 
 try:  # Triton 3.3 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -25,15 +23,10 @@ except ImportError:  # never traced: `start` is compiled with PDL false
     AVAILABLE = False
 
 
-@cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def wanted(t: torch.Tensor) -> bool:
     """Whether kernels working on t launch with PDL: the switch is on and t is on a CUDA device
     of sm_90 or later."""
-    return AVAILABLE and t.is_cuda and pdl_wanted(_capability(t.device.index or 0))
+    return AVAILABLE and t.is_cuda and pdl_wanted(device_capability(t.device.index or 0))
 
 
 def launch_args(t: torch.Tensor) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import one_row_module, pdl_wanted
+from nanoserve.extensions import device_capability, one_row_module, pdl_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 MAX_SLOTS = 16  # top k must divide it (the down kernel keeps 16 slots' dots a CTA)
@@ -77,7 +77,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     k, (_, hidden, inter) = ids.shape[1], down.shape
     act = torch.empty(k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    pdl = pdl_wanted(torch.cuda.get_device_capability(x.device))
+    pdl = pdl_wanted(device_capability(x.device.index or 0))
     with torch.cuda.device(x.device):
         stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
         refused = _extension().experts(x, gate_up, down, ids, weights, act, y, int(pdl), stream)

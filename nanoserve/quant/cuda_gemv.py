@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import one_row_module, pdl_wanted
+from nanoserve.extensions import device_capability, one_row_module, pdl_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, PLAIN_OUTS = 256, 32  # outputs a CTA owns (the kernels')
@@ -77,11 +77,6 @@ def load() -> bool:
 @cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -171,7 +166,7 @@ def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Ten
     elif args["fmt"] == FP8:
         fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
                    scale_cols=args["scale_cols"])
-        if _capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8):
+        if device_capability(x.device.index or 0) >= (8, 9) and fp8_shape_ok(x, **fp8):
             return fp8_gemv(x, **fp8, splits=splits)
     return None
 
@@ -223,7 +218,7 @@ def _launch(kernel: str, x: torch.Tensor, n: int, slices: int, split: int,
 
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials, counters = split_buffers(y, split, (slices, 1, split))
-    pdl = pdl_wanted(_capability(x.device.index or 0))
+    pdl = pdl_wanted(device_capability(x.device.index or 0))
     with torch.cuda.device(x.device):
         stream = torch.cuda.current_stream().cuda_stream  # a graph's, while capturing
         refused = getattr(_extension(), kernel)(x, *tensors, y, partials, counters,
