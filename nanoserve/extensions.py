@@ -23,18 +23,19 @@ def one_row_cuda_wanted() -> bool:
     return os.environ.get(ONE_ROW_SWITCH) != "0"
 
 
-# "1": the one-row GEMVs (csrc/one_row.cuh: a GEMV fetches its first weights into L2 while the
-# kernel ahead of it finishes) and the decode step's Triton kernels (nanoserve/pdl.py) are
-# launched with programmatic dependent launch on sm_90 and later. Off: the GEMVs alone gave no
-# TPOT gain on an H200, the kernels ahead of them not signalling early (docs/perf-notes.md,
-# session 28); the whole chain is not yet measured
+# The one-row GEMVs (csrc/one_row.cuh: a GEMV fetches its first weights into L2 while the
+# kernel ahead of it finishes), the decode step's Triton kernels (nanoserve/pdl.py) and
+# inductor's are launched with programmatic dependent launch on sm_90 and later unless this is
+# "0". Session 32, H200, batch-1 TPOT with it and without, alternating: Qwen3-30B-A3B at 4K 2.89
+# against 3.04-3.07 ms, Qwen3-8B-FP8 at 32K 4.26 against 4.34-4.35, Qwen3-8B-AWQ 4.01 against
+# 4.05 (docs/perf-notes.md)
 PDL_SWITCH = "NANOSERVE_PDL"
 
 
 def pdl_wanted(capability: tuple[int, int]) -> bool:
     """Whether kernels that support it launch with programmatic dependent launch on a device
-    of this compute capability."""
-    return os.environ.get(PDL_SWITCH) == "1" and capability >= (9, 0)
+    of this compute capability: sm_90 and later, unless NANOSERVE_PDL=0."""
+    return os.environ.get(PDL_SWITCH) != "0" and capability >= (9, 0)
 
 
 @cache

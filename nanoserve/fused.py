@@ -9,8 +9,8 @@ to, and what the CPU engine runs. `set_enabled(False)` (the engine's `enable_fus
 turns fusion off in this process.
 
 The first call at a new shape class compiles (seconds); decode graphs are captured only after
-a warm-up run at each size, so compilation never happens inside a capture. With NANOSERVE_PDL=1
-on Hopper the kernels launch with programmatic dependent launch, as the engine's own
+a warm-up run at each size, so compilation never happens inside a capture. On Hopper (unless
+NANOSERVE_PDL=0) the kernels launch with programmatic dependent launch, as the engine's own
 (nanoserve/pdl.py), where this torch's inductor has the option.
 """
 
@@ -40,12 +40,13 @@ def is_enabled() -> bool:
 
 def _pdl_options(device: torch.device) -> dict:
     """Inductor's kernels launched with programmatic dependent launch where the engine's are
-    (NANOSERVE_PDL=1, sm_90 and later; nanoserve/pdl.py), and where this torch has the option:
+    (sm_90 and later unless NANOSERVE_PDL=0; nanoserve/pdl.py), and where this torch has the option:
     each waits for the kernel ahead before it reads what that kernel wrote, then lets the next
     start. Decided at a function's first compile. Inductor places its wait by the buffers the
     previous kernel of its graph touched, and a kernel with no loads has none; each @fused
-    function here loads its inputs and compiles to one kernel (to check on a GPU:
-    TORCH_LOGS=output_code shows gdc_wait first in each)."""
+    function here loads its inputs and compiles to one kernel (TORCH_LOGS=output_code on an
+    H200, session 32: every kernel of the PDL test's models opens with gdc_wait and
+    gdc_launch_dependents)."""
     from nanoserve.extensions import pdl_wanted
     if not hasattr(torch._inductor.config.triton, "enable_pdl") or \
             not pdl_wanted(torch.cuda.get_device_capability(device)):

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (NANOSERVE_PDL=1,
-sm_90 and later; extensions.pdl_wanted). A kernel launched with it may start while the kernel
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step (sm_90 and later,
+unless NANOSERVE_PDL=0; extensions.pdl_wanted). A kernel launched with it may start while the kernel
 ahead of it in the stream is still running; `start` at the top of the kernel waits for that
 kernel to finish (its writes visible), then lets the next kernel start in turn. Nothing is read
 or written before the wait, so any kernel may take it: it overlaps a launch and a kernel's
@@ -24,8 +24,8 @@ except ImportError:  # never traced: `start` is compiled with PDL false
 
 
 def wanted(t: torch.Tensor) -> bool:
-    """Whether kernels working on t launch with PDL: the switch is on and t is on a CUDA device
-    of sm_90 or later."""
+    """Whether kernels working on t launch with PDL: t is on a CUDA device of sm_90 or later and
+    the switch is not off."""
     return AVAILABLE and t.is_cuda and pdl_wanted(device_capability(t.device.index or 0))
 
 

@@ -89,22 +89,24 @@ def test_the_one_row_modules_build_unless_switched_off(tmp_path, monkeypatch):
     assert calls[0]["extra_include_paths"] == ["inc", str(extensions.COMMON_CSRC)]
 
 
-def test_programmatic_dependent_launch_only_when_asked_and_on_sm90(monkeypatch):
-    """NANOSERVE_PDL=1 launches the one-row GEMVs with programmatic dependent launch, on
-    compute capability 9.0 and later only; unset or anything else, never."""
+def test_programmatic_dependent_launch_on_sm90_unless_switched_off(monkeypatch):
+    """Kernels launch with programmatic dependent launch on compute capability 9.0 and later
+    (unset or "1"), never below it, and nowhere with NANOSERVE_PDL=0."""
     from nanoserve.extensions import PDL_SWITCH, pdl_wanted
     monkeypatch.delenv(PDL_SWITCH, raising=False)
-    assert not pdl_wanted((9, 0))
+    assert pdl_wanted((9, 0)) and pdl_wanted((10, 0))
+    assert not pdl_wanted((8, 9)) and not pdl_wanted((8, 0))
     monkeypatch.setenv(PDL_SWITCH, "0")
-    assert not pdl_wanted((10, 0))
+    assert not pdl_wanted((9, 0)) and not pdl_wanted((10, 0))
     monkeypatch.setenv(PDL_SWITCH, "1")
     assert pdl_wanted((9, 0)) and pdl_wanted((10, 0))
     assert not pdl_wanted((8, 9)) and not pdl_wanted((8, 0))
 
 
-def test_pdl_is_asked_of_inductor_only_on_hopper_with_the_switch_on(monkeypatch):
-    """fused._pdl_options: inductor's `triton.enable_pdl` where NANOSERVE_PDL=1 and the device is
-    sm_90 or later (and this torch has the option), nothing otherwise; pdl_wanted likewise."""
+def test_pdl_is_asked_of_inductor_on_hopper_unless_switched_off(monkeypatch):
+    """fused._pdl_options: inductor's `triton.enable_pdl` where the device is sm_90 or later and
+    NANOSERVE_PDL is not 0 (and this torch has the option), nothing otherwise; pdl_wanted
+    likewise."""
     import torch
 
     from nanoserve import fused
@@ -112,7 +114,7 @@ def test_pdl_is_asked_of_inductor_only_on_hopper_with_the_switch_on(monkeypatch)
     dev = torch.device("cuda", 0)
     for switch, capability, want in (("1", (9, 0), True), ("1", (10, 0), True),
                                      ("1", (8, 9), False), ("0", (9, 0), False),
-                                     (None, (9, 0), False)):
+                                     (None, (9, 0), True), (None, (8, 0), False)):
         if switch is None:
             monkeypatch.delenv(PDL_SWITCH, raising=False)
         else:

@@ -220,7 +220,7 @@ def main() -> None:
     ap.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT),
                     help="compute capability to compile for (89: an L4 / L40 / RTX 4090)")
     ap.add_argument("--pdl", action="store_true",
-                    help="compile the kernels as NANOSERVE_PDL=1 launches them (sm_90)")
+                    help="compile the kernels with PDL, as sm_90 and later launch them")
     args = ap.parse_args()
     capability = args.capability
     shared: list[tuple[str, int]] = []
