@@ -182,6 +182,67 @@ def test_one_tokens_cuda_experts_against_the_triton_path_and_in_graphs(dtype, to
         assert torch.equal(out, cuda_moe.experts(*static, gate_up, down))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top_k, experts, hidden, inter, block", [
+    (8, 128, 2048, 768, (128, 128)), (4, 16, 256, 128, (128, 128)), (2, 8, 320, 320, (64, 32)),
+    (1, 4, 64, 192, (16, 16)), (16, 32, 576, 64, (128, 128))])
+@torch.inference_mode()
+def test_one_tokens_fp8_cuda_experts_against_the_triton_path_and_in_graphs(
+        dtype, top_k, experts, hidden, inter, block, monkeypatch, request):
+    """models/cuda_moe.py on e4m3 experts with block scales (FP8 block-wise checkpoints: 128 x
+    128 as Qwen3-30B-A3B-FP8's; 64 x 32 and 16 x 16 blocks, so a lane's 16 inputs meet a new
+    scale each chunk; 576 inputs in 128-column blocks: the last block half full), against the
+    Triton fused path on the same weights and routing: within 2^-7 of the largest output of it;
+    within 8e-3 (relative norm) of the float64 tile-by-tile twin on the dequantized stacks;
+    experts_fused takes it at one token without tiles; a CUDA graph of it replayed with new
+    inputs and routing gives eager's result."""
+    from nanoserve.extensions import ONE_ROW_SWITCH
+    from nanoserve.models import cuda_moe, fused_moe, moe_tiles
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    cuda_moe._extension.cache_clear()
+    request.addfinalizer(cuda_moe._extension.cache_clear)
+    gen = torch.Generator("cuda").manual_seed(7 * top_k + hidden)
+
+    def inputs():
+        x = torch.randn(1, hidden, device="cuda", generator=gen).to(dtype)
+        ids = torch.randperm(experts, device="cuda", generator=gen)[:top_k].view(1, top_k)
+        weights = torch.rand(1, top_k, device="cuda", generator=gen).softmax(-1).to(dtype)
+        return x, weights, ids
+
+    def fp8_stack(rows, cols):
+        w = (torch.randn(experts, rows, cols, device="cuda", generator=gen) * 64).clamp(-448, 448)
+        grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
+        s = torch.rand(grid, device="cuda", generator=gen) * 1e-3 + 2e-4
+        dense = w.to(torch.float8_e4m3fn).double() * s.double().repeat_interleave(
+            block[0], 1).repeat_interleave(block[1], 2)[:, :rows, :cols]
+        return w.to(torch.float8_e4m3fn), s, dense
+
+    gate_up, gate_up_s, gate_up_dense = fp8_stack(2 * inter, hidden)
+    down, down_s, down_dense = fp8_stack(hidden, inter)
+    scales = (gate_up_s, down_s)
+    x, weights, ids = inputs()
+    assert cuda_moe.supports(x, weights, ids, gate_up, down, scales, block)
+    assert not cuda_moe.supports(x, weights, ids, gate_up, down)  # e4m3 without its scales
+    got = cuda_moe.experts(x, weights, ids, gate_up, down, scales, block)
+    assert torch.equal(fused_moe.experts_fused(x, weights, ids, gate_up, down, scales=scales,
+                                               block=block), got)
+    triton = fused_moe.experts_fused(x, weights, ids, gate_up, down, moe_tiles.default_tiles(
+        top_k), scales=scales, block=block).float()
+    assert (got.float() - triton).abs().max() <= 2**-7 * triton.abs().max()
+    twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids, gate_up_dense,
+                                             down_dense, 16)
+    assert ((got.double() - twin).norm() / twin.norm()).item() < 8e-3
+    static = [t.clone() for t in (x, weights, ids)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_moe.experts(*static, gate_up, down, scales, block)
+    for _ in range(3):
+        for t, new in zip(static, inputs(), strict=True):
+            t.copy_(new)
+        graph.replay()
+        assert torch.equal(out, cuda_moe.experts(*static, gate_up, down, scales, block))
+
+
 @pytest.mark.parametrize("tokens", [129, 1000, 8192, 20000])
 @pytest.mark.parametrize("one_expert", [False, True])
 def test_the_blocked_sort_equals_torchs_at_prefill_sizes(tokens, one_expert):

@@ -1,10 +1,11 @@
 // What the one-row CUDA kernels share (quant/csrc/awq_gemv.cu, plain_gemv.cu; models/csrc/
-// moe_gemv.cu): a streaming 16-byte load, conversions between 16-bit floats and float, and
-// programmatic dependent launch.
+// moe_gemv.cu): a streaming 16-byte load, conversions between 16-bit floats and float, dots of
+// a lane's 16 bytes of weights, and programmatic dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -51,6 +52,22 @@ __device__ __forceinline__ float dot8(uint4 w, const float* x, float sum) {
     const float2 a = pair(ws[i], T{});
     sum = fmaf(a.x, x[2 * i], sum);
     sum = fmaf(a.y, x[2 * i + 1], sum);
+  }
+  return sum;
+}
+
+// the dot of 16 e4m3 weights (a uint4) with 16 inputs: two e4m3 become two halves in one cvt
+// (sm_89 and later; emulated below), then floats
+__device__ __forceinline__ float dot16_e4m3(uint4 w, const float* x) {
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // weights 2 i and 2 i + 1: half i of the words
+    const auto two = static_cast<__nv_fp8x2_storage_t>(ws[i / 2] >> (16 * (i % 2)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+    const float2 wf = __half22float2(__half2(h));
+    sum = fmaf(wf.x, x[2 * i], sum);
+    sum = fmaf(wf.y, x[2 * i + 1], sum);
   }
   return sum;
 }

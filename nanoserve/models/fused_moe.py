@@ -278,10 +278,10 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
     tiles (x is not quantized). One token in half precision, tiles not given: the CUDA
     kernels of models/cuda_moe.py where they build and are not switched off."""
-    if tiles is None and scales is None and ids.shape[0] == 1:
+    if tiles is None and ids.shape[0] == 1:
         from nanoserve.models import cuda_moe  # batch-1 decode: two kernels, no sort, no sum
-        if cuda_moe.supports(x, weights, ids, gate_up, down):
-            return cuda_moe.experts(x, weights, ids, gate_up, down)
+        if cuda_moe.supports(x, weights, ids, gate_up, down, scales, block):
+            return cuda_moe.experts(x, weights, ids, gate_up, down, scales, block)
     t, k = ids.shape
     num_experts, inter2, hidden = gate_up.shape
     inter = inter2 // 2

@@ -20,8 +20,6 @@
 // steps: gemv_split.cuh. Launched with programmatic dependent launch (p.pdl), a warp fetches its
 // rows' first chunk into L2 before it waits for the kernel ahead of it (x is that kernel's
 // output).
-#include <cuda_fp8.h>
-
 #include <type_traits>
 
 #include "gemv_split.cuh"
@@ -45,17 +43,7 @@ constexpr int kPerLane = std::is_same_v<WT, E4m3> ? 16 : 8;  // inputs in a lane
 
 // the dot of a lane's 16 bytes of weights with its inputs
 __device__ __forceinline__ float dot(uint4 wq, const float* xf, E4m3) {
-  const uint32_t ws[4] = {wq.x, wq.y, wq.z, wq.w};
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // weights 2 i and 2 i + 1: half i of the words
-    const auto two = static_cast<__nv_fp8x2_storage_t>(ws[i / 2] >> (16 * (i % 2)));
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-    const float2 wf = __half22float2(__half2(h));
-    sum = fmaf(wf.x, xf[2 * i], sum);
-    sum = fmaf(wf.y, xf[2 * i + 1], sum);
-  }
-  return sum;
+  return one_row::dot16_e4m3(wq, xf);
 }
 template <typename T>
 __device__ __forceinline__ float dot(uint4 wq, const float* xf, T) {
