@@ -94,9 +94,9 @@ def shape_ok(x: torch.Tensor, args: dict) -> bool:
 
 def test_the_shapes_each_kernel_takes():
     """AWQ: one half-precision row, groups 32 / 64 / 128, N a multiple of 32, contiguous
-    tensors. FP8: one half-precision row, e4m3 rows with K a multiple of 128, scale blocks of
-    whole 128-input steps or one scale a row. Anything else goes to Triton's kernels; on the
-    CPU one_row() takes nothing."""
+    tensors, an order of x int32 [K]. FP8: one half-precision row, e4m3 rows with K a multiple
+    of 128, scale blocks of whole 128-input steps or one scale a row. Anything else goes to
+    Triton's kernels; on the CPU one_row() takes nothing."""
     x, args = awq_tensors(4096, 4096, 128)
     assert shape_ok(x, args)
     assert shape_ok(*awq_tensors(288, 512, 32, torch.float16, torch.bfloat16))
@@ -108,6 +108,11 @@ def test_the_shapes_each_kernel_takes():
     x, args = awq_tensors(4096, 4096, 128)
     args["scales"] = torch.zeros(4096, 32, dtype=torch.float16).t()  # not contiguous
     assert not shape_ok(x, args)
+    x, args = awq_tensors(4096, 4096, 128)  # x read through an order: int32 [K], contiguous
+    assert cuda_gemv.awq_shape_ok(x, **args, x_order=torch.zeros(4096, dtype=torch.int32))
+    for order in (torch.zeros(4096, dtype=torch.int64), torch.zeros(4095, dtype=torch.int32),
+                  torch.zeros(8192, dtype=torch.int32)[::2]):
+        assert not cuda_gemv.awq_shape_ok(x, **args, x_order=order)
 
     def fp8(n, k, cols, x_dtype=torch.bfloat16):
         w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)

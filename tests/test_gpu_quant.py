@@ -44,7 +44,8 @@ def test_the_quantized_gemm_equals_the_reference_dequantization(source, tmp_path
     tiles) and 300 (prefill's); FP8's from WIDE_ROWS rows of x as the FP8 kernels quantize it
     (fp8_activations_reference), below them of x itself. And the FP8 kernels' x is quantized
     from WIDE_ROWS rows and not below: their mean error from their reference is under a
-    quarter of their mean error from the other one."""
+    quarter of their mean error from the other one. Act-order GPTQ run as AWQ at one row: x
+    gathered in the CUDA GEMV equals the GEMV of x gathered before it, bit for bit."""
     from nanoserve.quant import triton_gemm
     method, options = FORMATS[name]
     quantize_checkpoint(source, tmp_path, method, **options)
@@ -67,6 +68,16 @@ def test_the_quantized_gemm_equals_the_reference_dequantization(source, tmp_path
                 assert (got - ref).abs().mean() < 0.25 * (got - other).abs().mean(), (name, rows)
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-2, (name, rows, err)
+        if layer.input_order is not None:  # one row: x gathered inside the CUDA GEMV
+            from nanoserve.quant import cuda_gemv
+            x = torch.randn(1, layer.in_features, device="cuda", dtype=torch.bfloat16)
+            awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"],
+                       group=args["group"])
+            assert cuda_gemv.awq_shape_ok(x, **awq, x_order=layer.input_order)
+            gathered = cuda_gemv.awq_gemv(x.index_select(1, layer.input_order), **awq)
+            assert torch.equal(layer.kernel_forward(x), gathered)
+            assert torch.equal(cuda_gemv.awq_gemv(x, **awq, x_order=layer.input_order),
+                               gathered)
 
 
 @pytest.mark.parametrize("name", ["fp8 block 128", "awq"])

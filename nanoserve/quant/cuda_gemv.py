@@ -88,12 +88,16 @@ def _together(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 
 def awq_shape_ok(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                 group: int) -> bool:
+                 group: int, x_order: torch.Tensor | None = None) -> bool:
     """Whether the AWQ kernel takes one row x [1, K] against qweight w [K, N / 8], qzeros
     [K / group, N / 8] and scales [K / group, N]: half-precision x and scales, a group it is
     built for, N a multiple of 32, contiguous 16-byte aligned tensors (it reads 16 bytes a
-    lane). Checks no device."""
+    lane); x_order, where given, contiguous int32 [K] (input k is x[x_order[k]]). Checks no
+    device."""
     k, n = w.shape[0], scales.shape[-1]
+    if x_order is not None and not (x_order.dtype == torch.int32 and x_order.shape == (k,) and
+                                    x_order.is_contiguous() and _together(x, x_order)):
+        return False
     return (k > 0 and n > 0 and _together(x, w, zeros, scales) and
             x.dim() == 2 and x.shape == (1, k) and x.dtype in HALF and scales.dtype in HALF and
             w.dtype == zeros.dtype == torch.int32 and group in AWQ_GROUPS and k % group == 0 and
@@ -149,11 +153,13 @@ def num_splits(slices: int, units: int, resident: int, min_units: int = 1, fill:
     return max(1, split)
 
 
-def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Tensor | None:
+def one_row(x: torch.Tensor, args: dict, splits: int | None = None,
+            x_order: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [1, K] times a quantized weight given as quant/triton_gemm.quant_gemm's arguments
     (QuantizedLinear._kernel_args), through the CUDA kernels: y [1, N] in x's dtype; None where
     they do not take it (no GPU, no build, another format or shape). `splits`: the K split's
-    CTAs a slice instead of num_splits' (tools/bench_quant.py --splits times them)."""
+    CTAs a slice instead of num_splits' (tools/bench_quant.py --splits times them). x_order
+    (AWQ only): the weight's input k is x[x_order[k]]."""
     # the cached build first: switched off (NANOSERVE_ONE_ROW_CUDA=0), an eager decode step's
     # every layer returns here, before any shape check
     if not x.is_cuda or _extension() is None:
@@ -161,8 +167,10 @@ def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Ten
     from nanoserve.quant.triton_gemm import AWQ, FP8  # the format ids (GPU installs: Triton)
     if args["fmt"] == AWQ:
         awq = dict(w=args["w"], zeros=args["zeros"], scales=args["scales"], group=args["group"])
-        if awq_shape_ok(x, **awq):
-            return awq_gemv(x, **awq, splits=splits)
+        if awq_shape_ok(x, **awq, x_order=x_order):
+            return awq_gemv(x, **awq, splits=splits, x_order=x_order)
+    elif x_order is not None:
+        return None
     elif args["fmt"] == FP8:
         fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
                    scale_cols=args["scale_cols"])
@@ -172,13 +180,17 @@ def one_row(x: torch.Tensor, args: dict, splits: int | None = None) -> torch.Ten
 
 
 def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-             group: int, splits: int | None = None) -> torch.Tensor:
+             group: int, splits: int | None = None, x_order: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """x [1, K] times the AWQ weight (qweight w [K, N / 8], qzeros, scales): y [1, N] in x's
-    dtype. See awq_shape_ok; `splits` as one_row's."""
+    dtype; with x_order, x[:, x_order] times it, gathered in the kernel. See awq_shape_ok;
+    `splits` as one_row's."""
     k, n = w.shape[0], scales.shape[-1]
     slices = -(-n // AWQ_OUTS)
     split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, 1, x)
-    return _launch("awq_gemv", x, n, slices, split, w, zeros, scales, group=group)
+    order = x if x_order is None else x_order  # unread unless ordered
+    return _launch("awq_gemv", x, n, slices, split, order, w, zeros, scales, group=group,
+                   ordered=int(x_order is not None))
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor,

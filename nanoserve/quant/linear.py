@@ -77,8 +77,9 @@ class QuantizedLinear(nn.Module):
         fall into whole groups, its shards share one g_idx and AWQ's layout holds its zero
         points; g_idx then goes (the memory plan, made from the checkpoint's tensors, counted
         its 4 bytes an input). Act-order (the groups not in input order): the inputs sorted by
-        group, `input_order` holding the order, in which the kernels then read x (one gather
-        a product) for AWQ's kernels in place of the element-by-element act-order GEMM."""
+        group, `input_order` holding the order, in which the kernels then read x (gathered
+        inside the one-row CUDA GEMV, else one gather a product) for AWQ's kernels in place of
+        the element-by-element act-order GEMM."""
         q, k = self.quant, self.in_features
         g_idx = self.g_idx[0]
         in_order = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // q.group_size
@@ -148,12 +149,14 @@ class QuantizedLinear(nn.Module):
         except ImportError:  # a CUDA install without Triton: the reference path
             return None
         args = self._kernel_args()
-        x = x.contiguous() if self.input_order is None else x.index_select(1, self.input_order)
-        if args is not None and x.shape[0] == 1:
+        x = x.contiguous()
+        if args is not None and x.shape[0] == 1:  # the CUDA GEMV gathers x in input_order
             from nanoserve.quant import cuda_gemv
-            y = cuda_gemv.one_row(x, args)
+            y = cuda_gemv.one_row(x, args, x_order=self.input_order)
             if y is not None:
                 return y if self.bias is None else y + self.bias
+        if self.input_order is not None:
+            x = x.index_select(1, self.input_order)
         if args is None or not triton_gemm.supports(
                 x, args["fmt"], self.in_features, args.get("scale_cols", 1 << 30),
                 args.get("group", 128)):

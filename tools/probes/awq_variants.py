@@ -43,8 +43,8 @@ def gemv(ext, x: torch.Tensor, a: dict, split: int) -> torch.Tensor:
     n = a["scales"].shape[-1]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials, counters = split_buffers(y, split, (-(-n // cuda_gemv.AWQ_OUTS), 1, split))
-    refused = ext.awq_gemv(x, a["w"], a["zeros"], a["scales"], y, partials, counters, 128,
-                           split, 0, torch.cuda.current_stream().cuda_stream)
+    refused = ext.awq_gemv(x, x, a["w"], a["zeros"], a["scales"], y, partials, counters, 128,
+                           0, split, 0, torch.cuda.current_stream().cuda_stream)
     if refused:
         raise RuntimeError(refused)
     return y

@@ -7,6 +7,8 @@
 
 struct AwqGemvParams {
   const void* x;              // [K], bf16 or f16
+  const int32_t* x_order;     // [K] or null: input k is x[x_order[k]] (act-order GPTQ run as
+                              // AWQ, its inputs sorted by group as it loaded)
   const uint32_t* qweight;    // [K, N / 8], contiguous, 16-byte aligned
   const uint32_t* qzeros;     // [K / group, N / 8], contiguous, 16-byte aligned
   const void* scales;         // [K / group, N], bf16 or f16, contiguous, 16-byte aligned

@@ -3,7 +3,8 @@
 // come back as strings, never as C++ exceptions. The stream is the caller's current one (a
 // graph's capture stream while capturing), passed as an integer; pdl: launched with programmatic
 // dependent launch (the caller checks for sm_90). With one split the kernels read neither
-// partials nor counters (the caller may pass any tensor for them).
+// partials nor counters (the caller may pass any tensor for them), nor the AWQ kernel x_order
+// unless `ordered`.
 #include <torch/extension.h>
 
 #include <string>
@@ -19,12 +20,13 @@ std::string launched(const char* refused) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-std::string awq_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor qzeros,
-                     torch::Tensor scales, torch::Tensor y, torch::Tensor partials,
-                     torch::Tensor counters, int64_t group, int64_t splits, int64_t pdl,
-                     int64_t stream) {
+std::string awq_gemv(torch::Tensor x, torch::Tensor x_order, torch::Tensor qweight,
+                     torch::Tensor qzeros, torch::Tensor scales, torch::Tensor y,
+                     torch::Tensor partials, torch::Tensor counters, int64_t group,
+                     int64_t ordered, int64_t splits, int64_t pdl, int64_t stream) {
   AwqGemvParams p{};
   p.x = x.data_ptr();
+  p.x_order = ordered ? static_cast<const int32_t*>(x_order.data_ptr()) : nullptr;
   p.qweight = static_cast<const uint32_t*>(qweight.data_ptr());
   p.qzeros = static_cast<const uint32_t*>(qzeros.data_ptr());
   p.scales = scales.data_ptr();
