@@ -70,11 +70,12 @@ __device__ __forceinline__ void load_chunks(const Rows& rows, const T* v, int le
 #pragma unroll
     for (int h = 0; h < PER_LANE / 8; ++h)
       x[u][h] = at < len ? *reinterpret_cast<const uint4*>(v + at + 8 * h) : make_uint4(0, 0, 0, 0);
+    const int block = std::is_same_v<WT, E4m3> ? at / rows.scale_cols : 0;  // once, not a row
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       w[u][r] = at < len ? load_stream(rows.row[r] + at * W_BYTES) : make_uint4(0, 0, 0, 0);
       if constexpr (std::is_same_v<WT, E4m3>)  // weights' scales: no kernel writes them
-        s[u][r] = at < len ? __ldg(rows.scales[r] + at / rows.scale_cols) : 0.f;
+        s[u][r] = at < len ? __ldg(rows.scales[r] + block) : 0.f;
     }
   }
 }

@@ -23,6 +23,8 @@ std::string experts(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down,
   p.down = down.data_ptr();
   p.fp8 = gate_up.scalar_type() == torch::kFloat8_e4m3fn;
   if (p.fp8) {
+    if (gate_up_scales.scalar_type() != torch::kFloat || down_scales.scalar_type() != torch::kFloat)
+      return "MoE GEMV: FP8 block scales must be float32";
     p.gate_up_scales = gate_up_scales.data_ptr<float>();
     p.down_scales = down_scales.data_ptr<float>();
     for (int d = 0; d < 2; ++d) {
