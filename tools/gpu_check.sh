@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -315,6 +315,27 @@ for w in $what; do
       grep -q "if order is not None:" /tmp/linear_act_order_apart.py || echo "=== the skip was not inserted"
       AB_FILE=nanoserve/quant/linear.py AB_OTHER=/tmp/linear_act_order_apart.py AB_CMD="python3 \
         bench_offload.py --model $G --dummy-weights --input-len 32768 --output-len 32 \
+        --resident-graph" bash tools/gpu_check.sh ab ;;
+    awqab)  # issue 36: the AWQ GEMV's GPU tests, then Qwen3-8B-AWQ's batch-1 TPOT at 32K with
+            # this tree's kernel and AWQ_OLD's (an untracked copy of another version, made before
+            # the call: git show REV:nanoserve/quant/csrc/awq_gemv.cu > ab_awq_old.cu), alternating
+      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k "awq or gptq" -p no:cacheprovider \
+        2>&1 | tee "$OUT/pytest_awqab.log" | grep -E "passed|failed|^E  " | tail -20
+      AB_FILE=nanoserve/quant/csrc/awq_gemv.cu AB_OTHER=${AWQ_OLD:-ab_awq_old.cu} AB_CMD="python3 \
+        bench_offload.py --model Qwen3-8B-AWQ --input-len 32768 --output-len 32 \
+        --resident-graph" bash tools/gpu_check.sh ab ;;
+    fp8moe)  # issues 35-36: one token's FP8 experts through the CUDA MoE kernels (session 32):
+             # their GPU tests, then Qwen3-30B-A3B-FP8's batch-1 TPOT at 4K against Triton's
+             # fused path for FP8 experts (the dispatch sed'ed to 16-bit stacks only), alternating
+      run python3 -m pytest -q -m gpu tests/test_gpu_models.py tests/test_gpu_quant.py \
+        -k "fp8_cuda_experts or fp8_experts or fp8_moe" -p no:cacheprovider 2>&1 \
+        | tee "$OUT/pytest_fp8moe.log" | grep -E "passed|failed|^E  " | tail -20
+      sed 's/^        if cuda_moe.supports(x, weights, ids, gate_up, down, scales, block):$/        if scales is None and cuda_moe.supports(x, weights, ids, gate_up, down):/' \
+        nanoserve/models/fused_moe.py > /tmp/fused_moe_triton_fp8.py
+      grep -q "if scales is None and cuda_moe" /tmp/fused_moe_triton_fp8.py \
+        || echo "=== the Triton-only dispatch was not made"
+      AB_FILE=nanoserve/models/fused_moe.py AB_OTHER=/tmp/fused_moe_triton_fp8.py AB_CMD="python3 \
+        bench_offload.py --model Qwen3-30B-A3B-FP8 --input-len 4096 --output-len 64 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
             # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
