@@ -174,6 +174,15 @@ def quant_cases():
         yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
             torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
             fp8["scale_row"], 128, n, False, QuantTiles(16, 64, 128, 4, 4, s), False)
+    for rows, tiles, cols, dtype in (
+            (64, QuantTiles(64, 128, 128, 4, 3, 4, swap=True), 128, torch.bfloat16),
+            (16, QuantTiles(16, 64, 128, 4, 4, 1, swap=True), 128, torch.float16),
+            (32, QuantTiles(32, 128, 128, 8, 3, 2, swap=True), 1 << 30, torch.bfloat16),
+            (16, QuantTiles(16, 64, 64, 4, 3, 1, swap=True), 128, torch.float32)):
+        yield (f"FP8, weight the left operand (swap), {rows} rows {dtype}, {tiles}",
+               lambda r=rows, t=tiles, c=cols, d=dtype: _fp8_gemm(
+                   torch.zeros(r, k, dtype=d), fp8["w"], fp8["scales"], fp8["scale_row"], c,
+                   n, False, t))
 
 
 def moe_cases():
