@@ -12,7 +12,10 @@ their quantized size, once per row tile, and never written back dequantized.
   shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
   over programs. 128 x 128 blocks from CUBLAS_ROWS rows:
   cuBLAS's block-scaled GEMM (`cublas_block_scaled` says where it is right). float32 x keeps
-  its precision: w widened, no activation quantization.
+  its precision: w widened, no activation quantization. `_fp8_swap_kernel` (FP8_SWAP, or tiles
+  with `swap`) computes y^T = W x^T at decode's rows instead: the weight is the dot's left
+  operand, which Hopper's wgmma reads from registers, so it is widened and scaled there and
+  one accumulator runs through the dots (the kernel above scales each step's dot apart).
 - AWQ (a word holds eight outputs, nibble order 0 2 4 6 1 3 5 7) and GPTQ (a word holds eight
   inputs), `_int4_gemm_kernel`: acc += (dot(x, q) - sum_k(x) z[n]) * s[n] per step of one
   group (4-bit integers are exact in bf16 and fp16); GPTQ with act-order (g_idx not k //
