@@ -125,14 +125,11 @@ def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl
 
 
 @triton.jit
-def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
-                     stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
-                     SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
-    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or as it is, w widened
-    # to its dtype. Program (m, n, s) takes the s-th of SPLIT_K parts of K (_store_split)
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _fp8_tile(X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k,
+              SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    # an FP8 program's tile: its K part's start, its rows of x and outputs (offsets, masks),
+    # their first K step's addresses, and each output's row of the weight scales (offsets)
     k_start = pid_k * (K // SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,6 +138,21 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
     w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
     row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
+    return k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row
+
+
+@triton.jit
+def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
+                     stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
+                     SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
+    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or as it is, w widened
+    # to its dtype. Program (m, n, s) takes the s-th of SPLIT_K parts of K (_store_split)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row = _fp8_tile(
+        X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k, SPLIT_K,
+        BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # (K / SPLIT_K) % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
@@ -176,14 +188,9 @@ def _fp8_swap_kernel(X, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K, str
     # x (as it is: no pass quantizing it), over the s-th of SPLIT_K parts of K. W e4m3 [N, K],
     # Scales / ScaleRow as _fp8_gemm_kernel's; a K step never crosses a scale block
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_start = pid_k * (K // SPLIT_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok, m_ok = offs_n < N, offs_m < M
-    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
-    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
-    row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
+    k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row = _fp8_tile(
+        X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k, SPLIT_K,
+        BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
         w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
