@@ -15,9 +15,12 @@ import triton.language as tl
 
 from nanoserve.extensions import device_capability, pdl_wanted
 
-try:  # Triton 3.3 and later
+try:  # Triton 3.4 and later: the device functions and the launch option (triton PR 6394)
+    import dataclasses
+
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    AVAILABLE = True
+    AVAILABLE = "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
 except ImportError:  # never traced: `start` is compiled with PDL false
     gdc_launch_dependents = gdc_wait = None
     AVAILABLE = False
