@@ -14,23 +14,22 @@ from nanoserve.quant import QuantConfig, cuda_gemv
 from nanoserve.quant.formats import dequantize
 
 
-def nibbles_as_fp16(words: torch.Tensor) -> torch.Tensor:
-    """The kernel's unpacking of int32 words [..., W] into fp16 [..., 8 W] (awq_gemv.cu's
-    nibble_pair): (w >> 8 h) & 0x000F000F holds nibbles 2 h and 2 h + 4, outputs 4 h and
-    4 h + 1, as two fp16 bit patterns (subnormals q 2^-24); & 0x00F000F0 nibbles 2 h + 1 and
-    2 h + 5, outputs 4 h + 2 and 4 h + 3, as 16 q 2^-24. In float64."""
+def plus_1024(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's unpacking of int32 words [..., W] into fp16 [..., 8 W]: for nibbles i and
+    i + 4 of a word, (w >> 4 i) & 0x000F000F | 0x64006400 holds two fp16 1024 + q, its low half
+    output 2 i and its high half 2 i + 1."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     out = torch.empty(*words.shape, 8, dtype=torch.float16)
     for i in range(4):
-        v = (w >> (8 * (i // 2))) & (0x00F000F0 if i % 2 else 0x000F000F)
+        v = ((w >> (4 * i)) & 0x000F000F) | 0x64006400
         for c, bits in ((2 * i, v & 0xFFFF), (2 * i + 1, v >> 16)):
-            out[..., c] = bits.to(torch.int16).view(torch.float16)  # the sign bit clear
-    return out.flatten(-2).double()
+            out[..., c] = bits.to(torch.int16).view(torch.float16)  # 0x64..: the sign bit clear
+    return out.flatten(-2)
 
 
 def fp16(t: torch.Tensor) -> torch.Tensor:
-    """float64 rounded to the nearest fp16 once (numpy's conversion, subnormals included;
-    torch's goes through float32, rounding twice), back in float64."""
+    """float64 rounded to the nearest fp16 once (numpy's conversion; torch's goes through
+    float32, rounding twice), back in float64."""
     return torch.from_numpy(t.numpy().astype(np.float16)).double()
 
 
@@ -38,34 +37,29 @@ def awq_kernel_emulated(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Te
                         scales: torch.Tensor, group: int) -> torch.Tensor:
     """The kernel's products (awq_gemv.cu) for x [K] (values a float32 holds): the 16 row slots
     of a group each take their group / 16 rows of x into fp16 times 2^e, e putting the slot's
-    largest |x| in [2^11, 2^12); each pair's fp16 sum starts at -z sum x (sum x in fp16: one
-    rounding a multiply, as HMUL2), then adds x q a row (one rounding an FMA, as HFMA2), in the
-    nibbles' units; then s 2^-e times each slot's sum, back in the nibbles' units, in float64
-    here (float32 in the kernel)."""
-    q, z = nibbles_as_fp16(qweight), nibbles_as_fp16(qzeros)  # [K, N], [groups, N]
+    largest |x| in [256, 512); each sums x (q - z) in fp16, one rounding an FMA (as HFMA2);
+    then s 2^-e times each slot's sum, in float64 here (float32 in the kernel)."""
+    q, z = plus_1024(qweight), plus_1024(qzeros)  # [K, N], [groups, N]
     k, n = q.shape
-    units = torch.tensor([2.0**-24 if c // 2 % 2 == 0 else 2.0**-20 for c in range(8)],
-                         dtype=torch.float64).repeat(n // 8)  # each output's nibble value
-    q = q.view(-1, group // 16, 16, n)  # [groups, steps, slot, N]
+    d = (q.view(-1, group, n) - z[:, None]).double()  # HSUB2: small integers, exact
+    d = d.view(-1, group // 16, 16, n)  # [groups, steps, slot, N]
     xs = x.view(-1, group // 16, 16)  # [groups, steps, slot]
     _, e2 = torch.frexp(xs.abs().amax(1))  # largest in [2^(e2 - 1), 2^e2)
-    biased = torch.where(xs.abs().amax(1) > 0, e2 + 126, 0).clamp(12, 241)
-    power = 2.0 ** (138 - biased).double()  # [groups, slot]
+    biased = torch.where(xs.abs().amax(1) > 0, e2 + 126, 0).clamp(min=9)
+    power = 2.0 ** (135 - biased).double()  # [groups, slot]
     xh = fp16(xs * power[:, None])
-    x_sum = fp16(xh.sum(1))  # float32's sum of at most 8 fp16 is exact
-    acc = fp16(z[:, None, :] * -x_sum[..., None])  # [groups, slot, N]
+    acc = torch.zeros(k // group, 16, n, dtype=torch.float64)
     for step in range(group // 16):  # exact in float64, then one rounding: fp16's FMA
-        acc = fp16(xh[:, step, :, None] * q[:, step] + acc)
-    return (scales.double()[:, None] / units / power[..., None] * acc).sum((0, 1))
+        acc = fp16(xh[:, step, :, None] * d[:, step] + acc)
+    return (scales.double()[:, None] / power[..., None] * acc).sum((0, 1))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_the_kernels_arithmetic_gives_the_dequantized_product(group):
-    """The kernel's unpacking gives each nibble exactly, in its units (2^-24 or 2^-20), its
-    zeros alike, and its fp16 sums (emulated) give x times formats.dequantize's weight to
-    2^-9 of the largest output (float64 reference) whatever x's scale: plain, with entries at
-    3e4 and at 1e6 (finite: no fp16 sum past its range), all of it times 1e-4 and 1e-30 (x's
-    small powers of two kept normal) and 1e30."""
+    """The kernel's unpacking gives 1024 plus each nibble exactly, its zeros alike, and its
+    fp16 sums (emulated) give x times formats.dequantize's weight to 2^-9 of the largest output
+    (float64 reference) whatever x's scale: plain, with entries at 3e4 and at 1e6 (finite: no
+    fp16 sum past its range), all of it times 1e-4 (no fp16 subnormals)."""
     k, n = 1024, 64
     gen = torch.Generator().manual_seed(group)
     qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=gen)
@@ -76,14 +70,12 @@ def test_the_kernels_arithmetic_gives_the_dequantized_product(group):
                    dict(qweight=qweight, qzeros=qzeros, scales=scales), n, k, torch.float64)
     nibbles = ((qweight.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (4 * torch.arange(8))) & 15
     order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # output c's nibble: AWQ's order
-    units = torch.tensor([1, 1, 16, 16, 1, 1, 16, 16]) * 2.0**-24
-    assert torch.equal(nibbles_as_fp16(qweight),
-                       (nibbles[..., order] * units).flatten(-2).double())
+    assert torch.equal(plus_1024(qweight).double(), 1024 + nibbles[..., order].flatten(-2))
     x = torch.randn(k, generator=gen).bfloat16().double()
     spiky, huge = x.clone(), x.clone()
     spiky[::97] = 3e4
     huge[::97] = 1e6
-    for xs in (x, spiky, huge, *((x * f).float().double() for f in (1e-4, 1e-30, 1e30))):
+    for xs in (x, spiky, huge, (x * 1e-4).float().double()):
         got, ref = awq_kernel_emulated(xs, qweight, qzeros, scales, group), w @ xs
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err < 2**-9, (group, xs.abs().max().item(), err)

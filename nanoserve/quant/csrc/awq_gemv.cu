@@ -16,23 +16,18 @@
 // layers against loading each group as it starts: qkv 11.6 / 11.2 us, o 9.5 / 9.5, gate_up
 // 25.9 / 27.3, down 16.8 / 18.1).
 //
-// The products run in packed half precision, nibbles as fp16 subnormals: (w >> 8 h) & 0x000F000F
-// (one LOP3) holds nibbles 2 h and 2 h + 4 (outputs 4 h and 4 h + 1) as two fp16 q 2^-24, and
-// (w >> 8 h) & 0x00F000F0 nibbles 2 h + 1 and 2 h + 5 (outputs 4 h + 2, 4 h + 3) as 16 q 2^-24:
-// one shift a word for its 8 outputs, and one HFMA2 adds x q for two. HFMA2 keeps fp16
-// subnormals (PTX: f16 arithmetic has no flush to zero), and each product rounds once, in the
-// FMA, against the sum's magnitude. The zero points come in once a group: a pair's fp16 sum
-// starts at -z sum x (one HMUL2; sum x over the thread's rows of the group, of the fp16 x the
-// products take, rounded to fp16), so it ends at sum x (q - z). A thread sums a pair's rows of a
-// group so (at most 8 products), then widens the sums and scales them into float32: about 9
-// instructions a word of 8 weights where session 30's form (1024 + q from one LOP3 with a magic
-// number, HSUB2 for q - z, HFMA2) took 15. Its error, in the CPU twin (tests/test_cuda_gemv.py),
-// is about twice that form's (-z sum x and sum x q partly cancel): under 1.4e-3 of the largest
-// output. x enters fp16 scaled by a power of two per thread and group: the largest |x| of the
-// thread's rows of the group is brought into [2^11, 2^12), so that sum x (at most 2^15) is a
-// finite fp16 and an x down to 2^-25 of that largest a normal one; the float32 scaling after
-// the sums takes the power (and the nibbles' 2^-24) back off. (Session 30's first form, a fixed
-// 2^-8, overflowed past |x| = 1.4e5 and lost precision under |x| = 2^-6.)
+// The products run in packed half precision, as AWQ's own GEMV does: nibbles i and i + 4 of a
+// word (outputs 2 i and 2 i + 1) become two fp16 1024 + q in one LOP3 ((w >> 4 i) & 0x000F000F
+// | 0x64006400), one HSUB2 takes the pair's 1024 + z off (exact: small integers), one HFMA2
+// adds x (q - z) for both. A thread sums a pair's rows of a group in fp16 (at most 8 products),
+// then widens the sums and scales them into float32 once a group: about 2.4 instructions an
+// element against 3.9 with float products (H100, session 30, Qwen3-8B's layers: qkv 10.6 / 12.7
+// us, o 9.3 / 10.2, gate_up 22.9 / 28.8, down 15.2 / 17.4; errors against float64 equal).
+// x enters fp16 scaled by a power of two per thread and group: the largest |x| of the thread's
+// rows of the group is brought into [256, 512), so its fp16 sum of up to 8 products of at most
+// 15 |x| stays under 61,440 (fp16 holds 65,504) and an x down to 2^-22 of that largest keeps
+// fp16's 11 bits; the float32 scaling after the sums takes the power back off. A fixed 2^-8
+// (session 30's first form) overflowed past |x| = 1.4e5 and lost precision under |x| = 2^-6.
 //
 // With x_order (act-order GPTQ run as AWQ: quant/formats.gptq_as_awq) a thread reads its x
 // through the order, gathered here rather than by a kernel of its own ahead of this one (one a
@@ -76,10 +71,11 @@ __device__ __forceinline__ __half2 as_half2(uint32_t v) {
   return *reinterpret_cast<const __half2*>(&v);
 }
 
-// the nibble pair of word w (shifted by 8 h) that output pair 2 h (high: false) or 2 h + 1
-// (high: true) of its 4 takes, as two fp16 subnormals: q 2^-24 each, or 16 q 2^-24 (high)
-__device__ __forceinline__ __half2 nibble_pair(uint32_t w, bool high) {
-  return as_half2(w & (high ? 0x00F000F0u : 0x000F000Fu));
+// (w & 0x000F000F) | magic in one LOP3 (nvcc makes two of it when magic is an immediate too)
+__device__ __forceinline__ uint32_t two_nibbles(uint32_t w, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(d) : "r"(w), "r"(magic));
+  return d;
 }
 
 template <typename XT, typename ST, int STEPS>
@@ -95,6 +91,7 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   const int g_begin = blockIdx.y * groups / gridDim.y;
   const int rows = ((blockIdx.y + 1) * groups / gridDim.y - g_begin) * GROUP;
   const int k_begin = g_begin * GROUP;
+  const uint32_t magic = 0x64006400u;  // two fp16 1024
   const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
   const int32_t* order = p.x_order ? p.x_order + k_begin + slot : nullptr;  // x's k: order[row]
   const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
@@ -140,41 +137,31 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
       for (int j = 0; j < 4; ++j) sv[j] = sp[j];
     }
     if (g0 + GROUP < rows) load_group(g0 + GROUP);
-    // x into fp16 times 2^e, e putting the largest |x| of the thread's rows in [2^11, 2^12):
-    // its biased exponent b, 2^(138 - b), b held to [12, 241] so that 2^-e and 2^(24 - e) are
-    // normal floats (an x under 2^-115 is taken as 0; one past 2^114 comes out infinite)
+    // x into fp16 times 2^e, e putting the largest |x| of the thread's rows in [256, 512): its
+    // biased exponent b, 2^(135 - b); b at least 9 keeps both powers normal floats (an x under
+    // 2^-118 is taken as 0; an infinite one stays so)
     float largest = 0.f;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) largest = fmaxf(largest, fabsf(to_float(xs[s])));
-    const uint32_t b = min(max(__float_as_uint(largest) >> 23, 12u), 241u);
-    const float scale = __uint_as_float((265u - b) << 23);
-    const float unscale_q = __uint_as_float((b + 13u) << 23);  // 2^(24 - e): q 2^-24 back to q
-    const float unscale_16q = __uint_as_float((b + 9u) << 23);  // 2^(20 - e): 16 q 2^-24
+    const uint32_t b = max(__float_as_uint(largest) >> 23, 9u);
+    const float scale = __uint_as_float((262u - b) << 23);
+    const float unscale = __uint_as_float((b - 8u) << 23);
     __half2 x2[STEPS];
-    float x_sum = 0.f;  // of the fp16 x the products take: at most 8 x 2^12
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const __half h = __float2half_rn(to_float(xs[s]) * scale);
-      x2[s] = __half2half2(h);
-      x_sum += __half2float(h);
-    }
-    const __half2 minus_sum = __float2half2_rn(-x_sum);
+    for (int s = 0; s < STEPS; ++s) x2[s] = __half2half2(__float2half_rn(to_float(xs[s]) * scale));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t sw[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};  // outputs 8 j to 8 j + 7
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // outputs 8 j + 2 i and 8 j + 2 i + 1
-        const int shift = 8 * (i / 2);
-        const bool high = i % 2;
-        // - z sum x to start, then x q a row: sum x (q - z), in the nibbles' units
-        __half2 acc = __hmul2(nibble_pair(zs[j] >> shift, high), minus_sum);
+        const __half2 z = as_half2(two_nibbles(zs[j] >> (4 * i), magic));
+        __half2 acc = __float2half2_rn(0.f);
 #pragma unroll
         for (int s = 0; s < STEPS; ++s) {
           const uint32_t ws[4] = {q[s].x, q[s].y, q[s].z, q[s].w};
-          acc = __hfma2(x2[s], nibble_pair(ws[j] >> shift, high), acc);
+          acc = __hfma2(x2[s], __hsub2(as_half2(two_nibbles(ws[j] >> (4 * i), magic)), z), acc);
         }
         const float2 a = __half22float2(acc), sc = two_scales(sw[i], ST{});
-        const float unscale = high ? unscale_16q : unscale_q;
         out[8 * j + 2 * i] = fmaf(sc.x * unscale, a.x, out[8 * j + 2 * i]);
         out[8 * j + 2 * i + 1] = fmaf(sc.y * unscale, a.y, out[8 * j + 2 * i + 1]);
       }
