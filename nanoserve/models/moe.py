@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed.parallel_state import all_reduce
+from nanoserve.extensions import device_capability
 from nanoserve.models.layers import Linear, silu_and_mul
 from nanoserve.quant.config import QuantConfig, UnsupportedQuantization
 from nanoserve.quant.formats import dequantize, fill_dummy, gpu_reads_e4m3
@@ -171,7 +172,7 @@ def fast_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     CUTLASS kernels: bf16 on sm90 / sm100). Elsewhere on CUDA it loops over the groups on the
     host, which a CUDA graph cannot capture."""
     return device.type == "cuda" and dtype == torch.bfloat16 and \
-        _grouped_mm_fn() is not None and _capability(device.index)[0] in (9, 10)
+        _grouped_mm_fn() is not None and device_capability(device.index or 0)[0] in (9, 10)
 
 
 @functools.cache
@@ -181,11 +182,6 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _grouped_mm_fn():

@@ -33,13 +33,13 @@ over programs is summed by `_store_split`), prefill's many as a tiled GEMM.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from nanoserve.extensions import device_capability
 from nanoserve.quant.formats import gpu_reads_e4m3
 
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
@@ -419,12 +419,7 @@ def cublas_block_scaled(device: torch.device, k: int) -> bool:
     here, right: Hopper (where it is measured), and K / 128 a multiple of 4: cuBLAS reads the
     weight's scales with a leading dimension rounded up to 4, so other K are silently wrong
     (PyTorch PR 166752; K = 256 gave errors of 1e5 here)."""
-    return _capability(device)[0] == 9 and k % 512 == 0
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return device_capability(device.index or 0)[0] == 9 and k % 512 == 0
 
 
 def activation_group(k: int, scale_cols: int) -> int | None:
