@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|fp8swap|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|fp8swap|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -90,6 +90,14 @@ for w in $what; do
     profile)  # a step's kernel time by category (docs/perf-notes.md)
       run python3 tools/profile_step.py ${PROFILE_ARGS:---prefill 32768 --decode 1x32768,64x512 --top 8} 2>&1 \
         | grep -v "it/s\]\|arn" | tee "$OUT/profile.log" ;;
+    decodeprofile)  # issues 35-36: where batch 1's step goes, kernel by kernel, for the target
+                    # models (PROFILE_MODELS, model:context), with PDL off: with it on, a kernel's
+                    # time includes its wait for the one ahead (session 32)
+      for ml in ${PROFILE_MODELS-Qwen3-30B-A3B:4096 Qwen3-30B-A3B-FP8:4096 Qwen3-8B-FP8:32768 Qwen3-8B-AWQ:32768}; do
+        NANOSERVE_PDL=0 run python3 tools/profile_step.py --model ${ml%%:*} --prefill ${ml##*:} \
+          --decode 1x${ml##*:} --top 16 --temperature 0 2>&1 | grep -v "it/s\]\|arn" \
+          | tee "$OUT/decodeprofile_${ml%%:*}.log" | sed -n '/^## decode/,$p' | head -30
+      done ;;
     stall)  # issue 17: a stream's largest gap while a 32K prompt arrives (before: a tree of an
             # earlier commit in .before86, if carried, runs this bench against its engine)
       run $B --input-len 32768 --output-len 8 --resident-graph --offload-graph --stall \
