@@ -901,8 +901,12 @@ def main() -> None:
                    [(n, b) for n in lens for b in batches if n <= args.hf_max_len])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from nanoserve.extensions import one_row_cuda_wanted, pdl_wanted
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+               # the launch switches a figure depends on (NANOSERVE_PDL, NANOSERVE_ONE_ROW_CUDA)
+               "pdl": pdl_wanted(torch.cuda.get_device_capability()),
+               "one_row_cuda": one_row_cuda_wanted()}
     (out / "bench.json").write_text(json.dumps(
         {"machine": machine, "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
          "ceilings": ceil, "stall": stall,
@@ -910,7 +914,9 @@ def main() -> None:
         indent=1))
     plot(rows, out / "bench.png")
     print(f"\n{machine['gpu']}, {args.model} ({plural(cfg.num_layers, 'layer')}), KV cache "
-          f"{args.kv_cache_dtype}, output {args.output_len} tokens, {machine['date']}")
+          f"{args.kv_cache_dtype}, output {args.output_len} tokens, {machine['date']}; "
+          f"PDL {'on' if machine['pdl'] else 'off'}, one-row CUDA kernels "
+          f"{'on' if machine['one_row_cuda'] else 'off'}")
     print_table(rows, ceil)
     if stall:
         print_stall(stall)
