@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (NANOSERVE_PDL=1): a kernel launched with it may start while
-the kernel ahead of it runs, and must wait for that kernel's output before it reads it. The
+"""Programmatic dependent launch (on by default on sm_90; NANOSERVE_PDL=0 turns it off; the tests
+set it either way): a kernel launched with it may start while the kernel ahead of it runs, and
+must wait for that kernel's output before it reads it. The
 one-row GEMVs (csrc/one_row.cuh): ahead of them here runs a kernel that lets them start at once,
 spins, and only then writes x: a GEMV that read x before its wait would read zeros. The whole
 batch-1 decode step (nanoserve/pdl.py: the Triton kernels, the MoE and plain GEMVs) against the

@@ -300,7 +300,8 @@ for w in $what; do
         done
       done
       rm -f "$OUT"/*/bench.png ;;
-    pdl)  # issues 35-36: the decode step with programmatic dependent launch (NANOSERVE_PDL=1:
+    pdl)  # issues 35-36: the decode step with programmatic dependent launch (the default on
+          # sm_90 since session 32; NANOSERVE_PDL=1 / 0 forces it:
           # the one-row GEMVs, the Triton kernels, inductor's) and without: the PDL GPU tests,
           # then batch-1 TPOT alternating PDL_FLAGS on one machine, for PDL_MODELS (model:input
           # length)

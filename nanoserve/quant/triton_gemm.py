@@ -512,7 +512,8 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    if tiles is None and FP8_SWAP and 1 < m <= SKINNY_ROWS:
+    if tiles is None and FP8_SWAP and 1 < m <= SKINNY_ROWS and dtype != torch.float32 and \
+            device_capability(x.device.index or 0)[0] == 9:  # Hopper's wgmma, 16-bit operands
         tiles = swap_tiles(m, n)
     if tiles is not None and tiles.swap:
         return _fp8_swap(x, w, scales, scale_row, scale_cols, n, block_k, tiles)
