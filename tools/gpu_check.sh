@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|fp8swap|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|fp8swap|decodeprofile|group8ab|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -348,6 +348,16 @@ for w in $what; do
         2>&1 | tee "$OUT/pytest_awqab.log" | grep -E "passed|failed|^E  " | tail -20
       AB_FILE=nanoserve/quant/csrc/awq_gemv.cu AB_OTHER=${AWQ_OLD:-ab_awq_old.cu} AB_CMD="python3 \
         bench_offload.py --model Qwen3-8B-AWQ --input-len 32768 --output-len 32 \
+        --resident-graph" bash tools/gpu_check.sh ab ;;
+    group8ab)  # issue 35: decode attention's 128-token tiles for GQA groups of 8+ (session 32:
+               # measured by tune_decode at its own split counts, not in the engine) against 64,
+               # Qwen3-30B-A3B batch-1 TPOT at 4K, alternating
+      sed 's/"default-group8": Tiles(128, 4, 2)/"default-group8": Tiles(64, 4, 2)/' \
+        nanoserve/attention/triton_decode.py > /tmp/triton_decode_64.py
+      grep -q '"default-group8": Tiles(64, 4, 2)' /tmp/triton_decode_64.py \
+        || echo "=== the 64-token variant was not made"
+      AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=/tmp/triton_decode_64.py \
+        AB_CMD="python3 bench_offload.py --model Qwen3-30B-A3B --input-len 4096 --output-len 64 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
     fp8moe)  # issues 35-36: one token's FP8 experts through the CUDA MoE kernels (session 32):
              # their GPU tests, then Qwen3-30B-A3B-FP8's batch-1 TPOT at 4K against Triton's
