@@ -116,15 +116,23 @@ def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, 
         cuda_gemv._extension.cache_clear()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+OFFLOADED = dict(enable_offload=True, resident_layers=1, host_kv_budget_gib=1, cpu_attention="off")
+
+
+@pytest.mark.parametrize("arch, layout", [
+    ("qwen3", {}), ("qwen3_moe", {}), ("qwen3", OFFLOADED),
+    ("qwen3", dict(OFFLOADED, cpu_attention="0.5"))],
+    ids=["qwen3", "qwen3_moe", "qwen3-offloaded", "qwen3-offloaded-cpu-share"])
 @torch.inference_mode()
-def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(arch, tmp_path,
-                                                                             monkeypatch):
+def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
+        arch, layout, tmp_path, monkeypatch):
     """A tiny Qwen3 and Qwen3-MoE (every linear layer through the plain one-row GEMV, the
     router's pick and rope, attention and its merge in Triton, the experts in CUDA, the norms
-    through inductor, compiled afresh each time), three prompts one at a time in CUDA graphs:
-    with NANOSERVE_PDL=1 every step's logits equal those launched without it, bit for bit, and
-    an eager engine under it decodes the same tokens."""
+    through inductor, compiled afresh each time), three prompts one at a time in CUDA graphs,
+    resident, and offloaded (a layer on the GPU, the rest streamed; with half the streamed
+    tokens attended on the CPU too, merged on the GPU): with NANOSERVE_PDL=1 every step's
+    logits equal those launched without it, bit for bit, and an eager engine under it decodes
+    the same tokens."""
     from nanoserve import fused, pdl
     from nanoserve.extensions import PDL_SWITCH
     shape = dict(GPU_SHAPE, num_experts=16, num_experts_per_tok=4) if arch == "qwen3_moe" \
@@ -141,7 +149,8 @@ def test_batch_one_decode_with_every_kernel_launched_with_pdl_equals_it_without(
         monkeypatch.setenv(PDL_SWITCH, flag)
         launched.clear()
         fused.forget_compiled()  # inductor's kernels compiled under this flag
-        llm = LLM(str(tmp_path), progress=False, page_size=16, max_graph_batch_size=4, **kw)
+        llm = LLM(str(tmp_path), progress=False, page_size=16, max_graph_batch_size=4,
+                  **layout, **kw)
         runner, logits = llm.engine.runner, []
         forward = runner.forward
         runner.forward = lambda inputs: logits.append(forward(inputs).clone()) or logits[-1]
