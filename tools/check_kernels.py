@@ -105,12 +105,6 @@ def cases():
             yield f"decode attention, {dt}, q {q_dtype}, transposed {transposed}, " \
                 f"{splits} split(s)", decode(dt, splits, tiles._replace(transposed=transposed),
                                              q.to(q_dtype))
-    yield "decode attention, bf16, the merge 64 splits a step", decode(
-        bf16, 64, Tiles(64, 4, 2, merge_splits=64))
-    for transposed, block_n in itertools.product((False, True), (64, 128)):  # V with K
-        yield f"decode attention, bf16, V loaded with K, {block_n} tokens, transposed " \
-            f"{transposed}", decode(bf16, 8, Tiles(block_n, 4, 2, transposed=transposed,
-                                                   v_early=True))
     for group_heads, kvh in ((28, 4), (8, 8), (64, 8)):  # groups of 7, 1 and 8
         yield f"decode attention, FP8 KV, {group_heads} heads / {kvh}, transposed", decode(
             FP8, tiles=Tiles(128, 4, 2, f16_dot=True, transposed=True),

@@ -84,12 +84,6 @@ def main() -> None:
                     "(Tiles.transposed)")
     ap.add_argument("--cuda-stages", default="2,3,4",
                     help="with --cuda: tiles a warp holds in shared memory (2 to 4)")
-    ap.add_argument("--merge-splits", default="16",
-                    help="splits the merge kernel reads a step, each value tried with every "
-                    "candidate (Tiles.merge_splits; powers of two)")
-    ap.add_argument("--v-early", action="store_true",
-                    help="bf16: also try each tile setting within a page with V's tile loaded "
-                    "with K's (Tiles.v_early)")
     ap.add_argument("--cuda", action="store_true",
                     help="FP8: also time the CUDA kernel (Tiles.cuda; its tile is fixed, the "
                     "split multiples apply)")
@@ -107,10 +101,7 @@ def main() -> None:
         base = [t._replace(transposed=True) for t in base] + \
             (base if args.transposed == "also" else [])
     f16 = [t._replace(f16_dot=True) for t in base if t.block_n >= 64 and args.f16_dot]
-    v_early = [t._replace(v_early=True) for t in base if not t.tma] if args.v_early else []
-    base = [t._replace(merge_splits=m) for m in ints(args.merge_splits) for t in base]
-    v_early = [t._replace(merge_splits=m) for m in ints(args.merge_splits) for t in v_early]
-    dtypes = {"bf16": (torch.bfloat16, "default", base + v_early),
+    dtypes = {"bf16": (torch.bfloat16, "default", base),
               "fp8": (FP8, "fp8", f16 + (base if args.f16_dot != "only" else []) +
                       ([TILES["fp8"]._replace(split_factor=1, cuda=True, num_stages=n)
                         for n in ints(args.cuda_stages)] if args.cuda else []))}

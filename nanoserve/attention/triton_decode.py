@@ -67,14 +67,6 @@ class Tiles(NamedTuple):
     # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
     cuda_split_factor: float = 0.25
-    # bf16 tiles within a page: V's tile loaded with K's, before the scores (a split of one or
-    # two tiles, as at short contexts, then waits on one memory latency, not two; more
-    # registers held through the dot). Not yet measured (tools/tune_decode.py --v-early)
-    v_early: bool = False
-    # splits the merge kernel reads a step (_MERGE_SPLITS by default): at 64 splits, as a short
-    # context's single tiles give, 16 a step is four rounds of loads one after another. Not yet
-    # measured (tools/tune_decode.py --merge-splits)
-    merge_splits: int = _MERGE_SPLITS
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -176,7 +168,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
-    HAS_STARTS: tl.constexpr, V_EARLY: tl.constexpr, PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.start(PDL)
     b = tl.program_id(0)
@@ -235,9 +227,6 @@ def _decode_split_kernel(
                 k = tl.load(k_at)
             else:
                 k = tl.load(k_at, mask=d_mask[None, :], other=0.0)
-            if V_EARLY:  # masked: rows past ctx_len may be NaNs
-                v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
-                            + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot = tok % PAGE_SIZE
@@ -263,10 +252,10 @@ def _decode_split_kernel(
         if IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
             v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
                         + offs_d[None, :])
-        elif IN_PAGE and not V_EARLY:  # masked: their bytes may be NaNs
+        elif IN_PAGE:  # masked: their bytes may be NaNs
             v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-        elif not TMA and not IN_PAGE:
+        elif not TMA:
             v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
                         + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
@@ -377,7 +366,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     k_scale, v_scale, tiles, None)
     if parts is None:  # one split: stage 1 wrote the output
         return out
-    return merge_partials(parts, out, block_s=tiles.merge_splits if tiles else _MERGE_SPLITS)
+    return merge_partials(parts, out)
 
 
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -452,7 +441,6 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
         TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
-        V_EARLY=tiles.v_early and not scaled and not tiles.tma and page_size % tiles.block_n == 0,
         **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -460,11 +448,10 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
 
 
 def merge_partials(parts: Partials, out: torch.Tensor,
-                   extra: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   block_s: int = _MERGE_SPLITS) -> torch.Tensor:
+                   extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Stage 2: the splits merged by their log-sum-exps into out [batch, heads, d], with
     `extra` (output [batch, heads, d] and LSE [batch, heads], float32, contiguous: the CPU's
-    share of the same rows) merged in too. block_s: splits read a step (a power of two)."""
+    share of the same rows) merged in too."""
     mid_o, mid_lse = parts
     batch, heads, num_splits, d = mid_o.shape
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
@@ -475,7 +462,7 @@ def merge_partials(parts: Partials, out: torch.Tensor,
         mid_o, mid_lse, x_o, x_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=_MERGE_SPLITS,
         EXTRA=extra is not None, **pdl_args, num_warps=4,
     )
     return out
