@@ -5,8 +5,6 @@ greedy tokens on the GPU equal its dequantized twin's."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from conftest import make_hf_model, random_prompts
@@ -124,72 +122,6 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (cublas, rows, k, err)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the swap kernel is built for Hopper's wgmma (sm_90)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@torch.inference_mode()
-def test_fp8_with_the_weight_as_the_left_operand_equals_the_scaled_weight(dtype):
-    """_fp8_swap_kernel (QuantTiles.swap: the weight widened and scaled in registers, the dot's
-    left operand, x not quantized) at 1-64 rows; 128 x 128 blocks, 128 x 256 blocks (a scale
-    for two K steps) and per-channel scales (one multiply at the end); K split 1-4; 64 or 128
-    weight rows a program over 300 outputs (a partial tile); 16-64 rows of x a program (33
-    rows: two of 16 and a partial one): within 2^-8 of the largest output (bf16's rounding of
-    it and float32's sums; 1e-5 for float32 x) of float64's product with the weight scaled in
-    float32 and rounded to x's dtype, as the kernel rounds it; the same on a second run, the
-    split counters back at zero. With triton_gemm.FP8_SWAP on, the default tiles take it at 2-64
-    rows of 16-bit x (float32 x keeps the other kernel)."""
-    from nanoserve.quant import triton_gemm as tg
-    gen = torch.Generator(device="cuda").manual_seed(21)
-    bound = 1e-5 if dtype == torch.float32 else 2**-8
-    n, k = 300, 1024
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
-        torch.float8_e4m3fn)
-    block_rows = (torch.arange(n, device="cuda") // 128).to(torch.int32)
-    cases = {}
-    for cols in (128, 256):
-        blocks = torch.rand(-(-n // 128), k // cols, device="cuda", generator=gen) * 1e-3 + 1e-4
-        cases[f"blocks 128 x {cols}"] = (blocks, block_rows, cols,
-                                         blocks[block_rows.long()].repeat_interleave(cols, 1))
-    channel = torch.rand(n, 1, device="cuda", generator=gen) * 1e-3 + 1e-4
-    cases["channel"] = (channel, torch.arange(n, device="cuda", dtype=torch.int32), 1 << 30,
-                        channel)
-    for (name, (scales, rows_of, cols, full)), rows, tiles in itertools.product(
-            cases.items(), (1, 5, 16, 33, 64),
-            (tg.QuantTiles(16, 64, 128, 4, 3, 1, swap=True),
-             tg.QuantTiles(64, 128, 128, 4, 3, 4, swap=True),
-             tg.QuantTiles(32, 128, 128, 8, 4, 2, swap=True))):
-        x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
-        got = tg.quant_gemm(x, tg.FP8, w, scales, n, scale_row=rows_of, scale_cols=cols,
-                            tiles=tiles)
-        if cols < k:  # scaled in float32, then rounded to x's dtype: the dot's operand
-            weight = (w.float() * full.float()).to(dtype).double()
-        else:  # one scale a row, applied to the float32 sums
-            weight = w.double() * full.double()
-        ref = x.double() @ weight.T
-        assert got.shape == (rows, n) and got.dtype == dtype
-        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
-        assert err < bound, (name, rows, tiles, err)
-        assert torch.equal(got, tg.quant_gemm(x, tg.FP8, w, scales, n, scale_row=rows_of,
-                                              scale_cols=cols, tiles=tiles))
-        assert x.device not in tg._COUNTERS or not tg._COUNTERS[x.device].any()
-    blocks, rows_of, cols, _ = cases["blocks 128 x 128"]
-    launched = []
-    swap = tg._fp8_swap
-    try:
-        tg.FP8_SWAP = True
-        tg._fp8_swap = lambda *a: launched.append(a[-1]) or swap(*a)
-        x = torch.randn(40, k, device="cuda", generator=gen).to(dtype)
-        got = tg.quant_gemm(x, tg.FP8, w, blocks, n, scale_row=rows_of, scale_cols=cols)
-    finally:
-        tg.FP8_SWAP, tg._fp8_swap = False, swap
-    if dtype == torch.float32:
-        assert launched == []
-        return
-    assert launched == [tg.swap_tiles(40, n)] and launched[0].block_m == 64
-    assert torch.equal(got, tg.quant_gemm(x, tg.FP8, w, blocks, n, scale_row=rows_of,
-                                          scale_cols=cols, tiles=launched[0]))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])

@@ -87,9 +87,8 @@ def weights(fmt: str, n: int, k: int) -> tuple[dict, int]:
 
 def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
     """(label, call(x, args, n)) for each kernel and tiles to try: FP8 with x quantized (its K
-    step is fixed: its activation group), with the weight widened instead (x as it is), and
-    with the weight the dot's left operand (swap: widened and scaled in registers); the 4-bit
-    formats through the GEMV (one row) and the GEMM."""
+    step is fixed: its activation group) and with the weight widened instead (x as it is); the
+    4-bit formats through the GEMV (one row) and the GEMM."""
     def gemm(t):
         return lambda x, a, n: tg.quant_gemm(x, n=n, tiles=t, **a)
 
@@ -104,9 +103,6 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
                                                      (3, 4, 6)):
             t = tg.QuantTiles(block_m, bn, 128, 4, s, split)
             out.append((f"{'xq' if quant else 'wide'} {tuple(t)}", fp8(t, quant)))
-        for split, bn, warps, s in itertools.product((1, 2, 4, 8), (64, 128), (4, 8), (3, 4)):
-            t = tg.QuantTiles(block_m, bn, 128, warps, s, split, swap=True)
-            out.append((f"swap {tuple(t)[:6]}", fp8(t, False)))
         return out
     if rows == 1 and fmt != tg.FP8:
         tiles = [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in

@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|fp8swap|decodeprofile|group8ab|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -325,22 +325,6 @@ for w in $what; do
       AB_FILE=nanoserve/quant/linear.py AB_OTHER=/tmp/linear_act_order_apart.py AB_CMD="python3 \
         bench_offload.py --model $G --dummy-weights --input-len 32768 --output-len 32 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
-    fp8swap)  # issue 36: FP8 at 16-64 rows with the weight the dot's left operand (session 32,
-              # triton_gemm.FP8_SWAP): its GPU test, the tiles against the x-quantized kernel's,
-              # then Qwen3-8B-FP8's 64 x 512 TPOT with FP8_SWAP on and off, alternating
-      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k "left_operand or fp8" \
-        -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fp8swap.log" | grep -E "passed|failed|^E  " \
-        | tail -20
-      run python3 tools/bench_quant.py --rows 16,32,64 --formats fp8 --tune 2>&1 \
-        | tee "$OUT/bench_fp8swap.log" | grep -E "^fp8|fastest" | tail -30
-      sed 's/^FP8_SWAP = False$/FP8_SWAP = True/' nanoserve/quant/triton_gemm.py > /tmp/triton_gemm_swap.py
-      grep -q "^FP8_SWAP = True" /tmp/triton_gemm_swap.py || echo "=== FP8_SWAP was not turned on"
-      cp nanoserve/quant/triton_gemm.py /tmp/triton_gemm_plain.py
-      cp /tmp/triton_gemm_swap.py nanoserve/quant/triton_gemm.py  # "new": swap on
-      AB_FILE=nanoserve/quant/triton_gemm.py AB_OTHER=/tmp/triton_gemm_plain.py AB_CMD="python3 \
-        bench_offload.py --model Qwen3-8B-FP8 --input-len 512 --batch-size 64 --output-len 64 \
-        --resident-graph" bash tools/gpu_check.sh ab
-      cp /tmp/triton_gemm_plain.py nanoserve/quant/triton_gemm.py ;;
     awqab)  # issue 36: the AWQ GEMV's GPU tests, then Qwen3-8B-AWQ's batch-1 TPOT at 32K with
             # this tree's kernel and AWQ_OLD's (an untracked copy of another version, made before
             # the call: git show REV:nanoserve/quant/csrc/awq_gemv.cu > ab_awq_old.cu), alternating
@@ -348,16 +332,6 @@ for w in $what; do
         2>&1 | tee "$OUT/pytest_awqab.log" | grep -E "passed|failed|^E  " | tail -20
       AB_FILE=nanoserve/quant/csrc/awq_gemv.cu AB_OTHER=${AWQ_OLD:-ab_awq_old.cu} AB_CMD="python3 \
         bench_offload.py --model Qwen3-8B-AWQ --input-len 32768 --output-len 32 \
-        --resident-graph" bash tools/gpu_check.sh ab ;;
-    group8ab)  # issue 35: decode attention's 128-token tiles for GQA groups of 8+ (session 32:
-               # measured by tune_decode at its own split counts, not in the engine) against 64,
-               # Qwen3-30B-A3B batch-1 TPOT at 4K, alternating
-      sed 's/"default-group8": Tiles(128, 4, 2)/"default-group8": Tiles(64, 4, 2)/' \
-        nanoserve/attention/triton_decode.py > /tmp/triton_decode_64.py
-      grep -q '"default-group8": Tiles(64, 4, 2)' /tmp/triton_decode_64.py \
-        || echo "=== the 64-token variant was not made"
-      AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=/tmp/triton_decode_64.py \
-        AB_CMD="python3 bench_offload.py --model Qwen3-30B-A3B --input-len 4096 --output-len 64 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
     fp8moe)  # issues 35-36: one token's FP8 experts through the CUDA MoE kernels (session 32):
              # their GPU tests, then Qwen3-30B-A3B-FP8's batch-1 TPOT at 4K against Triton's

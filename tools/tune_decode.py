@@ -131,7 +131,7 @@ def main() -> None:
                     continue
                 results.append((us, tiles, mult))
             results.sort(key=lambda r: r[0])
-            current = default_tiles(key == "fp8", batch, PAGE, D, heads // kv_heads)
+            current = default_tiles(key == "fp8", batch, PAGE, D)
             factor = current.cuda_split_factor if current.cuda else current.split_factor
             default = next((r for r in results if r[1] == current._replace(
                 split_factor=1, cuda_split_factor=1) and r[2] == factor), None)

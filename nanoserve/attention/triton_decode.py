@@ -85,11 +85,10 @@ class Tiles(NamedTuple):
 # Session 25, H200, whole-row copies, one layer: 1 x 128K 71.2 us at x0.25 (16 splits, 128
 # blocks) against 75.1 at x0.5; 1 x 1M 516.9 against 557.9. Rounded up, x0.25 gave 17 splits
 # (136 blocks on 132 SMs): the engine's TPOT at 128K was 7.85 ms against 7.10 at x0.5.
-# Session 32 (H200, tools/tune_decode.py --heads 32x4): a GQA group of 8 or more (Qwen3-30B-A3B's
-# 32 query heads over 4) at small batches runs 128-token tiles: 1 x 4K 7.1 us against 8.0 for
-# 64 (its KV's floor: 2.0), 1 x 32K 25.5 against 26.0; "default-group8", where a tile is one
-# page's slice (page_size a multiple of 128).
-TILES = {"default": Tiles(64, 4, 2), "default-group8": Tiles(128, 4, 2),
+# Sessions 32-33 (H200): 128-token tiles for a GQA group of 8 (Qwen3-30B-A3B's 32 query heads
+# over 4) took 7.1 us against 8.0 at 1 x 4K in tools/tune_decode.py, but the engine's TPOT did
+# not move (2.94, 2.95 ms against 2.95, 2.90 alternating): 64 stays.
+TILES = {"default": Tiles(64, 4, 2),
          "batched": Tiles(64, 4, 2, tma=True, transposed=True),
          "fp8": Tiles(128, 4, 3, f16_dot=True, split_factor=2, transposed=True, cuda=True),
          "fp8-batched": Tiles(128, 4, 2, f16_dot=True, transposed=True)}
@@ -113,15 +112,12 @@ def warm_decode(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     torch.cuda.synchronize(device)
 
 
-def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int = 128,
-                  group: int = 1) -> Tiles:
-    """The measured tiles for the KV dtype, batch and GQA group; TMA only where a tile is one
-    box of a page (page_size a multiple of the tile) and head_dim a power of two."""
+def default_tiles(scaled: bool, batch: int, page_size: int = 256, head_dim: int = 128) -> Tiles:
+    """The measured tiles for the KV dtype and batch; TMA only where a tile is one box of a
+    page (page_size a multiple of the tile) and head_dim a power of two."""
     small = batch <= SMALL_BATCH
     tiles = TILES[("fp8" if small else "fp8-batched") if scaled else
                   ("default" if small else "batched")]
-    if not scaled and small and group >= 8 and page_size % TILES["default-group8"].block_n == 0:
-        tiles = TILES["default-group8"]
     if tiles.tma and (page_size % tiles.block_n or head_dim & (head_dim - 1)):
         # bf16's transposed form was measured with TMA tiles only
         tiles = tiles._replace(tma=False, transposed=tiles.transposed and scaled)
@@ -388,7 +384,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     group = heads // kv_heads
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1
     scaled = k_scale is not None
-    tiles = tiles or default_tiles(scaled, batch, page_size, d, group)
+    tiles = tiles or default_tiles(scaled, batch, page_size, d)
     if q.dtype == torch.float32:  # float32 dots (references, tests): 64-token tiles keep their
         # operands within sm86 / sm89's 99 KB of shared memory (128 took 147 KB with a group of 8)
         tiles = tiles._replace(block_n=min(tiles.block_n, 64))

@@ -12,10 +12,7 @@ their quantized size, once per row tile, and never written back dequantized.
   shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
   over programs. 128 x 128 blocks from CUBLAS_ROWS rows:
   cuBLAS's block-scaled GEMM (`cublas_block_scaled` says where it is right). float32 x keeps
-  its precision: w widened, no activation quantization. `_fp8_swap_kernel` (FP8_SWAP, or tiles
-  with `swap`) computes y^T = W x^T at decode's rows instead: the weight is the dot's left
-  operand, which Hopper's wgmma reads from registers, so it is widened and scaled there and
-  one accumulator runs through the dots (the kernel above scales each step's dot apart).
+  its precision: w widened, no activation quantization.
 - AWQ (a word holds eight outputs, nibble order 0 2 4 6 1 3 5 7) and GPTQ (a word holds eight
   inputs), `_int4_gemm_kernel`: acc += (dot(x, q) - sum_k(x) z[n]) * s[n] per step of one
   group (4-bit integers are exact in bf16 and fp16); GPTQ with act-order (g_idx not k //
@@ -51,10 +48,9 @@ WIDE_ROWS = 16  # FP8 below this many rows: x not quantized, the weight widened 
 # in the kernel (the quantization pass cost as much as it saved; tools/bench_quant.py --tune)
 CUBLAS_ROWS = SKINNY_ROWS + 1  # FP8 128 x 128 blocks from this many rows: cuBLAS (at 16-64
 # rows the Triton kernel was as fast or faster; tools/bench_quant.py --tune)
-# FP8 at 2-SKINNY_ROWS rows with the weight the dot's left operand (_fp8_swap_kernel), not yet
-# measured: at 64 rows the x-quantized kernel ran qkv, o and down at about twice their floor on
-# an H200 (session 32; tools/bench_quant.py --rows 64 --formats fp8 --tune times both)
-FP8_SWAP = False
+# (A kernel with the weight as the dot's left operand, widened and scaled in registers for
+# Hopper's wgmma, was at best 3-5% faster at 16-32 rows and slowed Qwen3-8B-FP8's 64 x 512 TPOT
+# from 6.20 to 8.13 ms on an H200: session 33, removed.)
 
 
 # a 16-bit float whose low mantissa bits a nibble fills (twice, in a word), and its value
@@ -70,9 +66,6 @@ class QuantTiles(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # decode: programs a column tile's K is split over (_store_split)
-    # FP8 at decode's rows: the weight the dot's left operand, widened and scaled in registers
-    # (_fp8_swap_kernel: block_n weight rows by block_m rows of x, x not quantized)
-    swap: bool = False
 
 
 def tiles_for(m: int, n: int, fmt: int = FP8, fp8_x: bool = True, k: int = 4096,
@@ -125,23 +118,6 @@ def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl
 
 
 @triton.jit
-def _fp8_tile(X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k,
-              SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    # an FP8 program's tile: its K part's start, its rows of x and outputs (offsets, masks),
-    # their first K step's addresses, and each output's row of the weight scales (offsets)
-    k_start = pid_k * (K // SPLIT_K)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
-    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
-    row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
-    return k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row
-
-
-@triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
                      stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
                      SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -150,9 +126,14 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or as it is, w widened
     # to its dtype. Program (m, n, s) takes the s-th of SPLIT_K parts of K (_store_split)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row = _fp8_tile(
-        X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k, SPLIT_K,
-        BLOCK_M, BLOCK_N, BLOCK_K)
+    k_start = pid_k * (K // SPLIT_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_at = X + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+    w_at = W + offs_n[:, None].to(tl.int64) * stride_w + k_start + offs_k[None, :]
+    row = tl.load(ScaleRow + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_s
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # (K / SPLIT_K) % BLOCK_K == 0 and scale_cols % BLOCK_K == 0
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
@@ -175,40 +156,6 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     _store_split(acc, offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
                  m_ok[:, None] & n_ok[None, :], Y, Partials, Counters,
                  pid_m * tl.num_programs(1) + pid_n, M * N, SPLIT_K)
-
-
-@triton.jit
-def _fp8_swap_kernel(X, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K, stride_xm,
-                     stride_w, stride_s, scale_cols, SCALE_ONCE: tl.constexpr,
-                     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    # y^T = W x^T at decode's few rows: program (n, m, s) holds BLOCK_N outputs (the weight's
-    # rows, the dot's left operand: on Hopper the wgmma reads it from registers, so it is
-    # widened and scaled there, one accumulator chained through the dots) by BLOCK_M rows of
-    # x (as it is: no pass quantizing it), over the s-th of SPLIT_K parts of K. W e4m3 [N, K],
-    # Scales / ScaleRow as _fp8_gemm_kernel's; a K step never crosses a scale block
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_start, offs_m, offs_n, m_ok, n_ok, x_at, w_at, row = _fp8_tile(
-        X, W, ScaleRow, M, N, K, stride_xm, stride_w, stride_s, pid_m, pid_n, pid_k, SPLIT_K,
-        BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
-        w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-        x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
-        if SCALE_ONCE:
-            wide = w.to(x.dtype)
-        else:
-            s = tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)
-            wide = (w.to(tl.float32) * s[:, None]).to(x.dtype)
-        acc = tl.dot(wide, tl.trans(x), acc,
-                     input_precision="ieee" if x.dtype == tl.float32 else None)
-        w_at += BLOCK_K
-        x_at += BLOCK_K
-    if SCALE_ONCE:
-        acc *= tl.load(Scales + row, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    _store_split(acc, offs_m[None, :].to(tl.int64) * N + offs_n[:, None],
-                 n_ok[:, None] & m_ok[None, :], Y, Partials, Counters,
-                 pid_n * tl.num_programs(1) + pid_m, M * N, SPLIT_K)
 
 
 @triton.jit
@@ -512,11 +459,6 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    if tiles is None and FP8_SWAP and 1 < m <= SKINNY_ROWS and dtype != torch.float32 and \
-            device_capability(x.device.index or 0)[0] == 9:  # Hopper's wgmma, 16-bit operands
-        tiles = swap_tiles(m, n)
-    if tiles is not None and tiles.swap:
-        return _fp8_swap(x, w, scales, scale_row, scale_cols, n, block_k, tiles)
     fp8_x = quantize_x
     if fp8_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
         fp8_x = dtype != torch.float32 and m >= WIDE_ROWS
@@ -539,31 +481,6 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         FP8_X=fp8_x, SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
-    return y
-
-
-def swap_tiles(m: int, n: int) -> QuantTiles:
-    """_fp8_swap_kernel's tiles for m rows of x and n outputs: 128 weight rows a program, all
-    the rows of x (16-64), K split to keep about as many programs as the x-quantized kernel."""
-    split = 4 if n <= 4096 else 2 if n <= 8192 else 1
-    return QuantTiles(max(16, min(SKINNY_ROWS, triton.next_power_of_2(m))), 128, 128, 4, 3,
-                      split, swap=True)
-
-
-def _fp8_swap(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
-              scale_row: torch.Tensor | None, scale_cols: int, n: int, block_k: int,
-              tiles: QuantTiles) -> torch.Tensor:
-    """_fp8_swap_kernel's launch: y [M, n] in x's dtype, x as it is."""
-    m, k = x.shape
-    split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    scale_row = scales if scale_row is None else scale_row
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), split)
-    _fp8_swap_kernel[grid](
-        x, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k, x.stride(0),
-        w.stride(0), scales.stride(0), scale_cols, SCALE_ONCE=scale_cols >= k, SPLIT_K=split,
-        BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
