@@ -124,6 +124,47 @@ def test_fp8_128_blocks_through_cublas_equal_the_triton_kernel_and_the_reference
         assert err < 1e-2, (cublas, rows, k, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_fp8_x_quantized_in_the_gemm_tiles_equals_the_quantization_pass(dtype):
+    """FP8 at 16-64 rows with x quantized by the GEMM's programs as they load it (x_in_tile,
+    QUANTIZE_X_IN_TILE) gives the pass-then-GEMM result bit for bit (the same e4m3 values and
+    scales, the same dots): 128 x 128 and 128 x 256 blocks and per-channel scales, K split 1-4,
+    row tiles of 16-64 over 16, 33 (a partial tile) and 64 rows, 300 outputs (a partial
+    column tile); and within 1% of float64's product of fp8_activations_reference's x and the
+    dequantized weight."""
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    n, k = 300, 1024
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    block_rows = (torch.arange(n, device="cuda") // 128).to(torch.int32)
+    cases = {}
+    for cols in (128, 256):
+        blocks = torch.rand(-(-n // 128), k // cols, device="cuda", generator=gen) * 1e-3 + 1e-4
+        cases[f"blocks 128 x {cols}"] = (blocks, block_rows, cols,
+                                         blocks[block_rows.long()].repeat_interleave(cols, 1))
+    channel = torch.rand(n, 1, device="cuda", generator=gen) * 1e-3 + 1e-4
+    cases["channel"] = (channel, torch.arange(n, device="cuda", dtype=torch.int32), 1 << 30,
+                        channel)
+    for name, (scales, rows_of, cols, full) in cases.items():
+        dense = w.double() * full.double()
+        for rows, tiles in ((16, tg.QuantTiles(16, 32, 128, 4, 3, 2)),
+                            (33, tg.QuantTiles(64, 64, 128, 4, 3, 4)),
+                            (64, tg.QuantTiles(64, 32, 128, 4, 4, 1)), (64, None)):
+            x = (torch.randn(rows, k, device="cuda", generator=gen) * 3).to(dtype)
+            x[0, :128] *= 1e3  # one group far larger than the rest: its own scale
+            pass_first = tg._fp8_gemm(x, w, scales, rows_of, cols, n, False, tiles, True,
+                                      x_in_tile=False)
+            in_tile = tg._fp8_gemm(x, w, scales, rows_of, cols, n, False, tiles, True,
+                                   x_in_tile=True)
+            assert torch.equal(in_tile, pass_first), (name, rows, tiles)
+            ref = tg.fp8_activations_reference(x, 128).double() @ dense.T
+            err = ((in_tile.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (name, rows, tiles, err)
+    assert not tg._COUNTERS[x.device].any()
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])
 @torch.inference_mode()
 def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_graphs(fmt):

@@ -171,6 +171,12 @@ def quant_cases():
         yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
             torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
             fp8["scale_row"], 128, n, False, QuantTiles(16, 64, 128, 4, 4, s), False)
+    for rows, tiles in ((64, None), (32, QuantTiles(32, 64, 128, 4, 3, 4)),
+                        (16, QuantTiles(16, 32, 128, 4, 4, 2))):
+        yield f"FP8 block-wise, x quantized in the tile, {rows} rows bf16", \
+            lambda r=rows, t=tiles: _fp8_gemm(
+                torch.zeros(r, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
+                fp8["scale_row"], 128, n, False, t, True, x_in_tile=True)
 
 
 def moe_cases():

@@ -3,7 +3,7 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|xintile|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
@@ -346,6 +346,24 @@ for w in $what; do
       AB_FILE=nanoserve/models/fused_moe.py AB_OTHER=/tmp/fused_moe_triton_fp8.py AB_CMD="python3 \
         bench_offload.py --model Qwen3-30B-A3B-FP8 --input-len 4096 --output-len 64 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
+    xintile)  # issue 36: FP8 at 16-64 rows with x quantized in the GEMM's tiles (session 33,
+              # triton_gemm.QUANTIZE_X_IN_TILE, off): its GPU test (bit-equal to the pass), the
+              # tiles (xq-tile against xq), then Qwen3-8B-FP8's 64 x 512 TPOT with it on and off
+      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k "in_the_gemm_tiles or split_k" \
+        -p no:cacheprovider 2>&1 | tee "$OUT/pytest_xintile.log" | grep -E "passed|failed|^E  " \
+        | tail -20
+      run python3 tools/bench_quant.py --rows 16,32,64 --formats fp8 --tune 2>&1 \
+        | tee "$OUT/bench_xintile.log" | grep -E "^fp8|fastest" | tail -30
+      sed 's/^QUANTIZE_X_IN_TILE = False$/QUANTIZE_X_IN_TILE = True/' \
+        nanoserve/quant/triton_gemm.py > /tmp/triton_gemm_tile.py
+      grep -q "^QUANTIZE_X_IN_TILE = True" /tmp/triton_gemm_tile.py \
+        || echo "=== QUANTIZE_X_IN_TILE was not turned on"
+      cp nanoserve/quant/triton_gemm.py /tmp/triton_gemm_pass.py
+      cp /tmp/triton_gemm_tile.py nanoserve/quant/triton_gemm.py  # "new": in the tiles
+      AB_FILE=nanoserve/quant/triton_gemm.py AB_OTHER=/tmp/triton_gemm_pass.py AB_CMD="python3 \
+        bench_offload.py --model Qwen3-8B-FP8 --input-len 512 --batch-size 64 --output-len 64 \
+        --resident-graph" bash tools/gpu_check.sh ab
+      cp /tmp/triton_gemm_pass.py nanoserve/quant/triton_gemm.py ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
             # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
