@@ -13,6 +13,7 @@ from quant_checkpoints import quantize_checkpoint
 
 from nanoserve import SamplingParams
 from nanoserve.quant import QuantizedLinear
+from nanoserve.split_counters import all_zero
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -162,7 +163,7 @@ def test_fp8_x_quantized_in_the_gemm_tiles_equals_the_quantization_pass(dtype):
             ref = tg.fp8_activations_reference(x, 128).double() @ dense.T
             err = ((in_tile.double() - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-2, (name, rows, tiles, err)
-    assert not tg._COUNTERS[x.device].any()
+    assert all_zero(x.device)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])
@@ -207,7 +208,7 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         # the same float32 terms summed in another order: at most one bf16 step apart
         torch.testing.assert_close(split.float(), whole, rtol=2**-7,
                                    atol=1e-3 * whole.abs().max().item())
-        assert not tg._COUNTERS[x.device].any()
+        assert all_zero(x.device)
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -216,7 +217,7 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
             static.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen))
             graph.replay()
             assert torch.equal(out, call(static, 8)), (fmt, rows)
-        assert not tg._COUNTERS[x.device].any()
+        assert all_zero(x.device)
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "pdl"])
@@ -242,7 +243,6 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
     starts before that kernel ends and waits for it; the second call may start while the first
     runs, on the same split counters)."""
     from nanoserve.quant import cuda_gemv
-    from nanoserve.quant import triton_gemm as tg
     # how many SMs the split aims at (even and uneven runs), then splits asked for beyond
     # SPLITS_CAP: AWQ's last CTA adds 16 parts a batch, so 20 and 32 take a second batch
     cases = [(sms, None) for sms in (1, 5, 8, 10, 132)] + [(132, 20), (132, 32)]
@@ -253,8 +253,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 2**-8, (label, sms, splits, err)
         assert torch.equal(got, call(x, splits)), (label, sms, splits)
-        if tg._COUNTERS:
-            assert not tg._COUNTERS[x.device].any()
+        assert all_zero(x.device)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -265,8 +264,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
         graph.replay()
         expect = call(static * 2)
         assert torch.equal(out, expect) and torch.equal(again, expect), label
-        if tg._COUNTERS:
-            assert not tg._COUNTERS[x.device].any()
+        assert all_zero(x.device)
 
 
 @pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.float16),

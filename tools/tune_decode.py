@@ -9,6 +9,9 @@ both ways:
     python tools/tune_decode.py --dtypes fp8 --block-n 128 --warps 4 --stages 2 --f16-dot \
         --transposed
 `--f16-dot only` / `--transposed only` try those forms alone; `--cuda` adds FP8's CUDA kernel.
+`--min-tiles 1,4` tries splits of at least that many tiles, `--merge-last` also the last split
+merging (Tiles.merge_last); `--max-len` sets the split count as the engine's max_len does (by
+default each shape's own context).
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ def main() -> None:
                     "(Tiles.transposed)")
     ap.add_argument("--cuda-stages", default="2,3,4",
                     help="with --cuda: tiles a warp holds in shared memory (2 to 4)")
+    ap.add_argument("--min-tiles", default="1", help="Tiles.min_tiles to try")
+    ap.add_argument("--merge-last", action="store_true",
+                    help="also try the last split program merging (Tiles.merge_last)")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="the split count's max_len (the engine's: the model's context)")
     ap.add_argument("--cuda", action="store_true",
                     help="FP8: also time the CUDA kernel (Tiles.cuda; its tile is fixed, the "
                     "split multiples apply)")
@@ -95,6 +103,9 @@ def main() -> None:
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     base = [Tiles(n, w, s) for n, w, s in itertools.product(ints(args.block_n), ints(args.warps),
                                                              ints(args.stages))]
+    base = [t._replace(min_tiles=m) for t in base for m in ints(args.min_tiles)]
+    if args.merge_last:
+        base += [t._replace(merge_last=True) for t in base]
     if args.tma:  # PAGE (256) is a multiple of every block_n tried
         base += [t._replace(tma=True) for t in base]
     if args.transposed:
@@ -110,14 +121,15 @@ def main() -> None:
         for shape in args.shapes.split(","):
             batch, ctx = map(int, shape.split("x"))
             q, k, v, ks, vs, table, lens, nbytes = case(batch, ctx, dtype, dev, heads, kv_heads)
-            base = num_splits_for(batch, kv_heads, ctx, sms)
+            base = num_splits_for(batch, kv_heads, args.max_len or ctx, sms)
             floor_us = nbytes / args.hbm_gbs / 1e3
             results = []
             for tiles, mult in itertools.product(candidates, floats(args.mults)):
                 # the multiplier is `mult` here; the CUDA kernel's rounded as the engine
                 # rounds it (16.5 to 16: one block an SM, where 17 would put two on a few)
                 splits = cuda_fp8_decode.num_splits(base, mult) if tiles.cuda else \
-                    max(1, min(round(base * mult), triton.cdiv(ctx, tiles.block_n)))
+                    max(1, min(round(base * mult), triton.cdiv(args.max_len or ctx,
+                                                               tiles.block_n)))
                 tiles = tiles._replace(split_factor=1, cuda_split_factor=1)
                 try:
                     def attend(tiles=tiles, splits=splits):

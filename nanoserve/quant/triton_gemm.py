@@ -6,8 +6,9 @@ their quantized size, once per row tile, and never written back dequantized.
   per row and 128 inputs (its scale: the group's largest magnitude over 448), in one pass
   before the GEMM (`quantize_activations`; `fp8_activations_reference` is its torch twin), and
   the product runs on FP8 tensor cores (QUANTIZE_X_IN_TILE: up to SKINNY_ROWS rows the GEMM's
-  programs quantize the tiles of x they load instead, no pass). Below WIDE_ROWS (batch-1 decode) the weight is widened
-  to x's dtype in the tile instead: one kernel, no quantization pass. `_fp8_gemm_kernel`:
+  programs quantize the tiles of x they load instead, no pass). Below WIDE_ROWS (batch-1
+  decode) the weight is widened to x's dtype in the tile instead: one kernel, no quantization
+  pass. `_fp8_gemm_kernel`:
   acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a step never crossing a weight scale
   block, `scale_row` naming each output's row of the weight scales' grid (block-wise: its
   shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
@@ -39,6 +40,7 @@ import triton.language as tl
 
 from nanoserve.extensions import device_capability
 from nanoserve.quant.formats import gpu_reads_e4m3
+from nanoserve.split_counters import zeroed_counters
 
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
 SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
@@ -511,24 +513,11 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     return y
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
 def split_buffers(y: torch.Tensor, split: int, grid: tuple[int, int, int]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """_store_split's float32 parts (split x y's size, left unset) and its per-tile counters:
-    one zeroed tensor a device, made at the first split launch (the eager warm-up, before any
-    graph capture) and kept zero by the kernels. Invariant: kernels sharing it never run
-    concurrently (they run on the model's one compute stream)."""
+    """_store_split's float32 parts (split x y's size, left unset) and its per-tile counters
+    (split_counters.zeroed_counters)."""
     if split == 1:
         return y, y
-    tiles = grid[0] * grid[1]
-    counters = _COUNTERS.get(y.device)
-    if counters is None or counters.numel() < tiles:
-        assert not (y.is_cuda and torch.cuda.is_current_stream_capturing()), "made in a capture"
-        if counters is not None:  # graphs captured on it keep its address: never freed
-            _OUTGROWN.append(counters)
-        counters = _COUNTERS[y.device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
-                                                     device=y.device)
+    counters = zeroed_counters("split-k", y.device, grid[0] * grid[1])
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), counters
