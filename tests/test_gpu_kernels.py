@@ -125,7 +125,8 @@ def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_head
     other decode tests' bound of float64; at 2, 16 and 128 splits over contexts of 9 to 4,096
     (so most splits empty at 128), bf16 KV and FP8 KV (Triton's kernel); the per-(row, head)
     counters back at zero after each launch; and a CUDA graph of it replayed on new queries
-    and longer contexts gives what eager calls give."""
+    and contexts of other tile counts gives what eager calls give (outputs NaN-filled first,
+    so a merge that did not run cannot pass on an earlier result)."""
     from nanoserve.attention.triton_decode import TILES, paged_decode_attention
     from nanoserve.split_counters import all_zero
 
@@ -146,21 +147,26 @@ def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_head
     tiles = TILES[name]._replace(min_tiles=min_tiles, cuda=False)
     ref = reference_decode(q, ref_k, ref_v, table, lens_t, 128**-0.5)
     for splits in (2, 16, 128):
-        merged = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits,
-                                        tiles=tiles._replace(merge_last=True), **kv)
+        merged = torch.full_like(q, float("nan"))  # a merge that never ran leaves NaNs
+        paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits, out=merged,
+                               tiles=tiles._replace(merge_last=True), **kv)
         assert all_zero(q.device), splits
         apart = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits,
                                        tiles=tiles, **kv)
         torch.testing.assert_close(merged.float(), apart.float(), rtol=2**-7, atol=1e-3)
         assert ((merged.double() - ref).norm() / ref.norm()).item() < 1e-2, splits
     static_q, static_lens = q.clone(), lens_t.clone()
+    out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16,
-                                     tiles=tiles._replace(merge_last=True), **kv)
-    for step in range(2):
+        paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16, out=out,
+                               tiles=tiles._replace(merge_last=True), **kv)
+    # other tile counts than at capture (so other splits have work), within each row's
+    # context (past it the bf16 cache holds NaNs)
+    for step, replay_lens in enumerate(([100, 1000, 9], [200, 3000, 5])):
         static_q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
-        static_lens.copy_(lens_t - 8 + 4 * step)  # within each row's pages
+        static_lens.copy_(torch.tensor(replay_lens, dtype=torch.int32))
+        out.fill_(float("nan"))
         graph.replay()
         eager = paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16,
                                        tiles=tiles._replace(merge_last=True), **kv)

@@ -113,12 +113,12 @@ def cases():
         yield f"decode attention, bf16 KV, 32 heads / 4 (default tiles), q {q_dtype}", decode(
             bf16, q=torch.zeros(4, 32, d, dtype=q_dtype), kvh=4)
     # the last split merges (Tiles.merge_last), splits of at least 4 tiles; groups of 4 and 8
-    for (dt, tiles), kvh, q_dtype in itertools.product(
-            ((bf16, TILES["default"]), (bf16, TILES["batched"]),
-             (FP8, TILES["fp8-batched"])), (8, 4), (bf16, torch.float32)):
-        yield f"decode attention, {dt}, last split merges, {heads} heads / {kvh}, q {q_dtype}", \
-            decode(dt, tiles=tiles._replace(merge_last=True, min_tiles=4),
-                   q=q.to(q_dtype), kvh=kvh)
+    for (dt, name), kvh, q_dtype in itertools.product(
+            ((bf16, "default"), (bf16, "batched"), (FP8, "fp8-batched")), (8, 4),
+            (bf16, torch.float32)):
+        yield f"decode attention, {dt}, {name} tiles, last split merges, {heads} heads / {kvh}, " \
+            f"q {q_dtype}", decode(dt, tiles=TILES[name]._replace(merge_last=True, min_tiles=4),
+                                   q=q.to(q_dtype), kvh=kvh)
     for qk_norm in (norm, None):
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],

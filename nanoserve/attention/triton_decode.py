@@ -333,8 +333,10 @@ def _merge_group(MidO, MidLse, Out, b, head0, live, stride_mob, stride_moh, stri
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
         rescale = tl.exp(m - safe_m)
         w = tl.exp(lse - safe_m[:, None])
-        o = tl.load(MidO + b * stride_mob + heads[:, None, None] * stride_moh
-                    + offs_s[None, :, None] * stride_mos + offs_d[None, None, :],
+        rows = b * stride_mob + heads[:, None] * stride_moh + offs_s[None, :] * stride_mos
+        if HEAD_DIM % 16 == 0:  # each part's row starts a multiple of 16 floats in: vector loads
+            rows = tl.multiple_of(rows, [16, 16])
+        o = tl.load(MidO + rows[:, :, None] + offs_d[None, None, :],
                     mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0,
                     cache_modifier=".cg")
         o_sum = o_sum * rescale[:, None] + tl.sum(o * w[:, :, None], 1)
@@ -466,6 +468,7 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
         k_desc = v_desc = k_cache
     direct = num_splits == 1 and out is not None  # writes the output: no merge kernel
     merge_last = tiles.merge_last and not direct and out is not None and not cuda
+    assert tiles.min_tiles >= 1, tiles
     mid_o = out.unsqueeze(2) if direct else \
         torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
     # one split stores no log-sum-exp: nothing to allocate
