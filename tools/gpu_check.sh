@@ -367,7 +367,14 @@ for w in $what; do
           AB_CMD="python3 bench_offload.py --model $m --output-len 64 --resident-graph" \
           bash tools/gpu_check.sh ab
       done
-      cp /tmp/triton_decode_apart.py nanoserve/attention/triton_decode.py ;;
+      cp /tmp/triton_decode_apart.py nanoserve/attention/triton_decode.py
+      if [ -f ab_decode_old.py ]; then  # the merge kernel's 16-byte loads (session 33) against
+        # an untracked copy of the scalar-load version, made before the call:
+        # git show 7629e09:nanoserve/attention/triton_decode.py > ab_decode_old.py
+        AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=ab_decode_old.py \
+          AB_CMD="python3 bench_offload.py --model Qwen3-30B-A3B --input-len 4096 \
+          --output-len 64 --resident-graph" bash tools/gpu_check.sh ab
+      fi ;;
     xintile)  # issue 36: FP8 at 16-64 rows with x quantized in the GEMM's tiles (session 33,
               # triton_gemm.QUANTIZE_X_IN_TILE, off): its GPU test (bit-equal to the pass), the
               # tiles (xq-tile against xq), then Qwen3-8B-FP8's 64 x 512 TPOT with it on and off

@@ -374,8 +374,11 @@ def _merge_splits_kernel(
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
         rescale = tl.exp(m - safe_m)
         w = tl.exp(lse - safe_m)
-        o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
-                    + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        rows = b * stride_mob + h * stride_moh + offs_s * stride_mos
+        if HEAD_DIM % 16 == 0:  # each part's row starts a multiple of 16 floats in: vector loads
+            rows = tl.multiple_of(rows, 16)
+        o = tl.load(MidO + rows[:, None] + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         o_sum = o_sum * rescale + tl.sum(o * w[:, None], 0)
         w_sum = w_sum * rescale + tl.sum(w, 0)
         m = m_new
