@@ -166,6 +166,40 @@ def test_fp8_x_quantized_in_the_gemm_tiles_equals_the_quantization_pass(dtype):
     assert all_zero(x.device)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_fp8_with_the_weight_scaled_before_the_dot_equals_the_rounded_scaled_weight(dtype):
+    """_fp8_gemm's scale_w (x not quantized; each K step's block scales multiply the widened
+    weight, rounded to x's dtype, before the dot, one accumulator through the dots): within
+    2^-8 of the largest output of float64's product of x and the weight scaled in float32 and
+    rounded to x's dtype, as the kernel rounds it, for 128 x 128 and 128 x 256 blocks, 1, 16,
+    33 and 64 rows, K split 1-4, 300 outputs (a partial tile); the same on a second run."""
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(34)
+    n, k = 300, 1024
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    rows_of = (torch.arange(n, device="cuda") // 128).to(torch.int32)
+    for cols in (128, 256):
+        scales = torch.rand(-(-n // 128), k // cols, device="cuda", generator=gen) * 1e-3 + 1e-4
+        full = scales[rows_of.long()].repeat_interleave(cols, 1)
+        weight = (w.float() * full).to(dtype).double()
+        for rows, tiles in ((1, tg.QuantTiles(16, 32, 128, 4, 3, 4)),
+                            (16, tg.QuantTiles(16, 64, 128, 4, 4, 1)),
+                            (33, tg.QuantTiles(64, 32, 128, 4, 3, 2)),
+                            (64, tg.QuantTiles(64, 64, 128, 4, 3, 4))):
+            x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+            got = tg._fp8_gemm(x, w, scales, rows_of, cols, n, False, tiles, False,
+                               scale_w=True)
+            ref = x.double() @ weight.T
+            assert got.shape == (rows, n) and got.dtype == dtype
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2**-8, (cols, rows, tiles, err)
+            assert torch.equal(got, tg._fp8_gemm(x, w, scales, rows_of, cols, n, False, tiles,
+                                                 False, scale_w=True))
+    assert all_zero(x.device)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])
 @torch.inference_mode()
 def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_graphs(fmt):

@@ -184,6 +184,11 @@ def quant_cases():
             lambda r=rows, t=tiles: _fp8_gemm(
                 torch.zeros(r, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
                 fp8["scale_row"], 128, n, False, t, True, x_in_tile=True)
+    for rows, dtype in ((16, torch.bfloat16), (64, torch.float16)):
+        yield f"FP8 block-wise, weight scaled before the dot, {rows} rows {dtype}", \
+            lambda r=rows, d=dtype: _fp8_gemm(
+                torch.zeros(r, k, dtype=d), fp8["w"], fp8["scales"], fp8["scale_row"], 128, n,
+                False, QuantTiles(r, 32, 128, 4, 3, 2), False, scale_w=True)
 
 
 def moe_cases():

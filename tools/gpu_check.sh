@@ -377,12 +377,14 @@ for w in $what; do
       fi ;;
     xintile)  # issue 36: FP8 at 16-64 rows with x quantized in the GEMM's tiles (session 33,
               # triton_gemm.QUANTIZE_X_IN_TILE, off): its GPU test (bit-equal to the pass), the
-              # tiles (xq-tile against xq), then Qwen3-8B-FP8's 64 x 512 TPOT with it on and off
-      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k "in_the_gemm_tiles or split_k" \
+              # tiles (xq-tile against xq; wide-scaled too: the weight scaled before the dot),
+              # then Qwen3-8B-FP8's 64 x 512 TPOT with it on and off
+      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py \
+        -k "in_the_gemm_tiles or scaled_before or split_k" \
         -p no:cacheprovider 2>&1 | tee "$OUT/pytest_xintile.log" | grep -E "passed|failed|^E  " \
         | tail -20
-      run python3 tools/bench_quant.py --rows 16,32,64 --formats fp8 --tune 2>&1 \
-        | tee "$OUT/bench_xintile.log" | grep -E "^fp8|fastest" | tail -30
+      run python3 tools/bench_quant.py --rows 16,64 --shapes qkv,o,down --formats fp8 --tune \
+        2>&1 | tee "$OUT/bench_xintile.log" | grep -E "^fp8|fastest" | tail -30
       sed 's/^QUANTIZE_X_IN_TILE = False$/QUANTIZE_X_IN_TILE = True/' \
         nanoserve/quant/triton_gemm.py > /tmp/triton_gemm_tile.py
       grep -q "^QUANTIZE_X_IN_TILE = True" /tmp/triton_gemm_tile.py \

@@ -127,13 +127,16 @@ def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl
 @triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
                      stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
-                     QUANTIZE_X: tl.constexpr, SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     QUANTIZE_X: tl.constexpr, SCALE_ONCE: tl.constexpr, SCALE_W: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
     # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or 16-bit and quantized
     # here a tile at a time as quantize_activations would (FP8_X and QUANTIZE_X; XScale
-    # unread), or as it is, w widened to its dtype. Program (m, n, s) takes the s-th of
-    # SPLIT_K parts of K (_store_split)
+    # unread), or as it is, w widened to its dtype: each step's dot scaled after it, or
+    # (SCALE_W) the step's scales applied to the widened weight before it, so that one
+    # accumulator runs through the dots. Program (m, n, s) takes the s-th of SPLIT_K parts of
+    # K (_store_split)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_start = pid_k * (K // SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -148,21 +151,26 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-        if FP8_X:
-            if QUANTIZE_X:
-                xq, x_scale = _e4m3_groups(x)
-                x = xq.to(W.dtype.element_ty)
+        if SCALE_W:  # 16-bit x, block-wise scales
+            w_scale = tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)
+            acc = tl.dot(x, tl.trans((w.to(tl.float32) * w_scale[:, None]).to(x.dtype)), acc)
+        else:
+            if FP8_X:
+                if QUANTIZE_X:
+                    xq, x_scale = _e4m3_groups(x)
+                    x = xq.to(W.dtype.element_ty)
+                else:
+                    x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok,
+                                      other=0.0)
+                part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
             else:
-                x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok,
-                                  other=0.0)
-            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
-        else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)),
-                          input_precision="ieee" if x.dtype == tl.float32 else None)
-        if SCALE_ONCE:
-            acc += part
-        else:
-            acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)[None, :]
+                part = tl.dot(x, tl.trans(w.to(x.dtype)),
+                              input_precision="ieee" if x.dtype == tl.float32 else None)
+            if SCALE_ONCE:
+                acc += part
+            else:
+                acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok,
+                                      other=0.0)[None, :]
         x_at += BLOCK_K
         w_at += BLOCK_K
     if SCALE_ONCE:
@@ -478,10 +486,13 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
 def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
               tiles: QuantTiles | None, quantize_x: bool | None = None,
-              x_in_tile: bool | None = None) -> torch.Tensor:
+              x_in_tile: bool | None = None, scale_w: bool = False) -> torch.Tensor:
     """quant_gemm's FP8 product. quantize_x: x to e4m3 (default: from WIDE_ROWS rows of 16-bit
     x); x_in_tile: up to SKINNY_ROWS rows, each program quantizes the x tile it loads (default
-    QUANTIZE_X_IN_TILE) in place of a pass before the GEMM."""
+    QUANTIZE_X_IN_TILE) in place of a pass before the GEMM; scale_w: x not quantized, 16-bit,
+    block-wise scales: each step's scales multiply the widened weight (rounded to x's dtype)
+    before the dot, one accumulator through the dots (tools/bench_quant.py's `wide-scaled`;
+    not yet measured)."""
     m, k = x.shape
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
@@ -495,6 +506,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16)
         return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
                                 out_dtype=dtype)[:m]
+    scale_w = scale_w and not fp8_x and scale_cols < k and dtype != torch.float32
     in_tile = fp8_x and m <= SKINNY_ROWS and (QUANTIZE_X_IN_TILE if x_in_tile is None
                                               else x_in_tile)
     if fp8_x and not in_tile:
@@ -507,7 +519,8 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     _fp8_gemm_kernel[grid](
         x, x_scale, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
         x.stride(0), x_scale.stride(1), w.stride(0), scales.stride(0), scale_cols,
-        FP8_X=fp8_x, QUANTIZE_X=in_tile, SCALE_ONCE=scale_cols >= k, SPLIT_K=split,
+        FP8_X=fp8_x, QUANTIZE_X=in_tile, SCALE_ONCE=scale_cols >= k, SCALE_W=scale_w,
+        SPLIT_K=split,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
