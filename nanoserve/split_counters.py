@@ -23,8 +23,3 @@ def zeroed_counters(user: str, device: torch.device, n: int) -> torch.Tensor:
         counters = _COUNTERS[(user, device)] = torch.zeros(max(n, 1 << 14), dtype=torch.int32,
                                                            device=device)
     return counters
-
-
-def all_zero(device: torch.device) -> bool:
-    """Whether every counter on `device` is back at zero (tests: no kernel left one set)."""
-    return not any(c.any().item() for (_, d), c in _COUNTERS.items() if d == device)

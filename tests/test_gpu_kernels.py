@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import counters_all_zero
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +129,6 @@ def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_head
     and contexts of other tile counts gives what eager calls give (outputs NaN-filled first,
     so a merge that did not run cannot pass on an earlier result)."""
     from nanoserve.attention.triton_decode import TILES, paged_decode_attention
-    from nanoserve.split_counters import all_zero
 
     gen = torch.Generator(device="cuda").manual_seed(heads + kv_heads + min_tiles)
     lens = [300, 4096, 9]
@@ -150,7 +150,7 @@ def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_head
         merged = torch.full_like(q, float("nan"))  # a merge that never ran leaves NaNs
         paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits, out=merged,
                                tiles=tiles._replace(merge_last=True), **kv)
-        assert all_zero(q.device), splits
+        assert counters_all_zero(q.device), splits
         apart = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits,
                                        tiles=tiles, **kv)
         torch.testing.assert_close(merged.float(), apart.float(), rtol=2**-7, atol=1e-3)
@@ -171,7 +171,7 @@ def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_head
         eager = paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16,
                                        tiles=tiles._replace(merge_last=True), **kv)
         assert torch.equal(out, eager), step
-        assert all_zero(q.device), step
+        assert counters_all_zero(q.device), step
 
 
 @pytest.mark.parametrize("transposed", [False, True])

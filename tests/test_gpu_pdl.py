@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
+from helpers import counters_all_zero
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.split_counters import all_zero
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or
@@ -111,7 +111,7 @@ def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, 
                 torch.cuda.synchronize()
                 assert torch.equal(first, expected[3.0]), name
                 assert torch.equal(second, expected[3.0]), name
-            assert all_zero(x.device), name
+            assert counters_all_zero(x.device), name
     finally:
         cuda_gemv._extension.cache_clear()
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_hf_model, random_prompts
-from helpers import make_gpu_llm
+from helpers import counters_all_zero, make_gpu_llm
 from quant_checkpoints import quantize_checkpoint
 
 from nanoserve import SamplingParams
 from nanoserve.quant import QuantizedLinear
-from nanoserve.split_counters import all_zero
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -163,7 +162,7 @@ def test_fp8_x_quantized_in_the_gemm_tiles_equals_the_quantization_pass(dtype):
             ref = tg.fp8_activations_reference(x, 128).double() @ dense.T
             err = ((in_tile.double() - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-2, (name, rows, tiles, err)
-    assert all_zero(x.device)
+    assert counters_all_zero(x.device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -197,7 +196,7 @@ def test_fp8_with_the_weight_scaled_before_the_dot_equals_the_rounded_scaled_wei
             assert err < 2**-8, (cols, rows, tiles, err)
             assert torch.equal(got, tg._fp8_gemm(x, w, scales, rows_of, cols, n, False, tiles,
                                                  False, scale_w=True))
-    assert all_zero(x.device)
+    assert counters_all_zero(x.device)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8 x quantized", "awq", "gptq"])
@@ -242,7 +241,7 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
         # the same float32 terms summed in another order: at most one bf16 step apart
         torch.testing.assert_close(split.float(), whole, rtol=2**-7,
                                    atol=1e-3 * whole.abs().max().item())
-        assert all_zero(x.device)
+        assert counters_all_zero(x.device)
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -251,7 +250,7 @@ def test_split_k_parts_are_summed_in_order_by_the_last_program_and_replay_in_gra
             static.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen))
             graph.replay()
             assert torch.equal(out, call(static, 8)), (fmt, rows)
-        assert all_zero(x.device)
+        assert counters_all_zero(x.device)
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "pdl"])
@@ -287,7 +286,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 2**-8, (label, sms, splits, err)
         assert torch.equal(got, call(x, splits)), (label, sms, splits)
-        assert all_zero(x.device)
+        assert counters_all_zero(x.device)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -298,7 +297,7 @@ def _one_row_cases(call, x, ref, monkeypatch, label):
         graph.replay()
         expect = call(static * 2)
         assert torch.equal(out, expect) and torch.equal(again, expect), label
-        assert all_zero(x.device)
+        assert counters_all_zero(x.device)
 
 
 @pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.float16),

@@ -4,9 +4,10 @@ count their finished programs on (CPU: the buffer logic; the kernels' own use is
 from __future__ import annotations
 
 import torch
+from helpers import counters_all_zero
 
 from nanoserve import split_counters
-from nanoserve.split_counters import all_zero, zeroed_counters
+from nanoserve.split_counters import zeroed_counters
 
 
 def test_counters_are_zeroed_per_user_grown_not_freed_and_checked(monkeypatch):
@@ -19,9 +20,9 @@ def test_counters_are_zeroed_per_user_grown_not_freed_and_checked(monkeypatch):
     assert gemm.data_ptr() != decode.data_ptr()  # users never share counters
     assert zeroed_counters("split-k", cpu, 1 << 14) is gemm  # big enough: the same tensor
     decode[3] = 1  # a kernel that left its counter set
-    assert not all_zero(cpu)
+    assert not counters_all_zero(cpu)
     decode[3] = 0
-    assert all_zero(cpu)
+    assert counters_all_zero(cpu)
     grown = zeroed_counters("split-k", cpu, (1 << 14) + 1)
     assert grown.numel() == (1 << 14) + 1 and not grown.any()
     assert split_counters._OUTGROWN == [gemm]  # graphs captured on the old one keep it alive
