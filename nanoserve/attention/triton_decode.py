@@ -524,6 +524,9 @@ def merge_partials(parts: Partials, out: torch.Tensor,
     share of the same rows) merged in too."""
     mid_o, mid_lse = parts
     batch, heads, num_splits, d = mid_o.shape
+    # the kernel takes each part's row to start 16 floats aligned where d is a multiple of 16
+    assert d % 16 or (mid_o.data_ptr() % 64 == 0 and
+                      all(s % 16 == 0 for s in mid_o.stride()[:3])), mid_o.stride()
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
     if extra is not None:
         assert x_o.is_contiguous() and x_lse.is_contiguous() and x_o.dtype == torch.float32
