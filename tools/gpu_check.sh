@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|xintile|mergelast|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|xintile|mergelast|mergeab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; MERGE_TILES, MERGE_MODELS for mergeab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -356,25 +356,23 @@ for w in $what; do
       run python3 tools/tune_decode.py --dtypes bf16 --heads 32x4 \
         --shapes 1x4096,1x32768 --block-n 64,128 --warps 4 --stages 2 --mults 1 --max-len 40960 \
         --min-tiles 1,2,4,8 --merge-last 2>&1 | tee "$OUT/tune_mergelast.log" | tail -16
-      sed 's/^TILES = {"default": Tiles(64, 4, 2),$/TILES = {"default": Tiles(64, 4, 2, min_tiles=4, merge_last=True),/' \
+      bash tools/gpu_check.sh mergeab ;;
+    mergeab)  # the engine's batch-1 TPOT with the default decode tiles replaced by MERGE_TILES
+              # (default "64, 4, 2, min_tiles=4, merge_last=True") against the default,
+              # alternating, on MERGE_MODELS (default Qwen3-30B-A3B @ 4K and Qwen3-8B @ 32K)
+      tiles=${MERGE_TILES:-64, 4, 2, min_tiles=4, merge_last=True}
+      sed "s/^TILES = {\"default\": Tiles(64, 4, 2),\$/TILES = {\"default\": Tiles($tiles),/" \
         nanoserve/attention/triton_decode.py > /tmp/triton_decode_merge.py
-      grep -q "min_tiles=4, merge_last=True" /tmp/triton_decode_merge.py \
-        || echo "=== merge_last was not turned on"
+      grep -q "Tiles($tiles)" /tmp/triton_decode_merge.py || echo "=== $tiles was not turned on"
       cp nanoserve/attention/triton_decode.py /tmp/triton_decode_apart.py
-      cp /tmp/triton_decode_merge.py nanoserve/attention/triton_decode.py  # "new": merged
-      for m in "Qwen3-30B-A3B --input-len 4096" "Qwen3-8B --input-len 32768"; do
+      cp /tmp/triton_decode_merge.py nanoserve/attention/triton_decode.py  # "new": MERGE_TILES
+      IFS=';' read -ra models <<< "${MERGE_MODELS:-Qwen3-30B-A3B --input-len 4096;Qwen3-8B --input-len 32768}"
+      for m in "${models[@]}"; do
         AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=/tmp/triton_decode_apart.py \
           AB_CMD="python3 bench_offload.py --model $m --output-len 64 --resident-graph" \
           bash tools/gpu_check.sh ab
       done
-      cp /tmp/triton_decode_apart.py nanoserve/attention/triton_decode.py
-      if [ -f ab_decode_old.py ]; then  # the merge kernel's 16-byte loads (session 33) against
-        # an untracked copy of the scalar-load version, made before the call:
-        # git show 7629e09:nanoserve/attention/triton_decode.py > ab_decode_old.py
-        AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=ab_decode_old.py \
-          AB_CMD="python3 bench_offload.py --model Qwen3-30B-A3B --input-len 4096 \
-          --output-len 64 --resident-graph" bash tools/gpu_check.sh ab
-      fi ;;
+      cp /tmp/triton_decode_apart.py nanoserve/attention/triton_decode.py ;;
     xintile)  # issue 36: FP8 at 16-64 rows with x quantized in the GEMM's tiles (session 33,
               # triton_gemm.QUANTIZE_X_IN_TILE, off): its GPU test (bit-equal to the pass), the
               # tiles (xq-tile against xq; wide-scaled too: the weight scaled before the dot),

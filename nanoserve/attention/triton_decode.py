@@ -374,11 +374,8 @@ def _merge_splits_kernel(
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
         rescale = tl.exp(m - safe_m)
         w = tl.exp(lse - safe_m)
-        rows = b * stride_mob + h * stride_moh + offs_s * stride_mos
-        if HEAD_DIM % 16 == 0:  # each part's row starts a multiple of 16 floats in: vector loads
-            rows = tl.multiple_of(rows, 16)
-        o = tl.load(MidO + rows[:, None] + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                    + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         o_sum = o_sum * rescale + tl.sum(o * w[:, None], 0)
         w_sum = w_sum * rescale + tl.sum(w, 0)
         m = m_new
@@ -524,9 +521,6 @@ def merge_partials(parts: Partials, out: torch.Tensor,
     share of the same rows) merged in too."""
     mid_o, mid_lse = parts
     batch, heads, num_splits, d = mid_o.shape
-    # the kernel takes each part's row to start 16 floats aligned where d is a multiple of 16
-    assert d % 16 or (mid_o.data_ptr() % 64 == 0 and
-                      all(s % 16 == 0 for s in mid_o.stride()[:3])), mid_o.stride()
     x_o, x_lse = extra if extra is not None else (mid_o, mid_lse)  # never read without
     if extra is not None:
         assert x_o.is_contiguous() and x_lse.is_contiguous() and x_o.dtype == torch.float32
