@@ -1,5 +1,5 @@
 """The tests' shared helpers: LLM factories (CPU and GPU), all-position logits, host-KV
-corruption, the split counters' check."""
+corruption."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import torch
 
-from nanoserve import LLM, SamplingParams, split_counters
+from nanoserve import LLM, SamplingParams
 from nanoserve.context import forward_context
 from nanoserve.engine.scheduler import Batch
 from nanoserve.engine.sequence import Sequence
@@ -131,10 +131,3 @@ def cuttings(text: str) -> list[list[str]]:
         points = sorted(rng.sample(range(1, len(text)), rng.randint(0, max(0, len(text) - 1) // 3)))
         cuts.append([text[a:b] for a, b in pairwise([0, *points, len(text)])])
     return cuts
-
-
-def counters_all_zero(device: torch.device) -> bool:
-    """Whether every split counter (split_counters.py) on `device` is back at zero: no kernel
-    left one set."""
-    return not any(c.any().item() for (_, d), c in split_counters._COUNTERS.items()
-                   if d == device)

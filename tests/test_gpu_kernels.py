@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import counters_all_zero
 
 pytestmark = pytest.mark.gpu
 
@@ -111,67 +110,6 @@ def test_triton_decode_takes_groups_of_8_and_16(heads, kv_heads, tiles):
     ref = reference_decode(q, kc, vc, table, lens_t, 128**-0.5)
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (32, 4), (28, 4)],
-                         ids=["group4", "group8", "group7"])
-@pytest.mark.parametrize("name", ["default", "batched", "fp8-batched"])
-@pytest.mark.parametrize("min_tiles", [1, 4])
-def test_the_last_split_to_finish_merges_as_the_merge_kernel_does(heads, kv_heads, name,
-                                                                   min_tiles):
-    """Tiles.merge_last: the last of a (row, KV head)'s split programs merges the group's
-    parts into the output (no merge kernel) over the splits that had work; splits of at least
-    min_tiles tiles. Against the merge kernel on the same tiles: within one step of the
-    output's dtype (the same float32 sums, possibly reduced in another order), and within the
-    other decode tests' bound of float64; at 2, 16 and 128 splits over contexts of 9 to 4,096
-    (so most splits empty at 128), bf16 KV and FP8 KV (Triton's kernel); the per-(row, head)
-    counters back at zero after each launch; and a CUDA graph of it replayed on new queries
-    and contexts of other tile counts gives what eager calls give (outputs NaN-filled first,
-    so a merge that did not run cannot pass on an earlier result)."""
-    from nanoserve.attention.triton_decode import TILES, paged_decode_attention
-
-    gen = torch.Generator(device="cuda").manual_seed(heads + kv_heads + min_tiles)
-    lens = [300, 4096, 9]
-    q, kc, vc, table, lens_t = random_paged(3, lens, heads, kv_heads, 128, 256, torch.bfloat16,
-                                            gen)
-    kv = {}
-    if name.startswith("fp8"):
-        kc, vc = (torch.nan_to_num(c) for c in (kc, vc))
-        scales = [c.abs().amax(-1).clamp_min(1e-6) / 448 for c in (kc, vc)]
-        kc, vc = ((c / s[..., None]).to(torch.float8_e4m3fn)
-                  for c, s in zip((kc, vc), scales, strict=True))
-        kv = dict(k_scale=scales[0], v_scale=scales[1])
-        ref_k, ref_v = (c.float() * s[..., None] for c, s in zip((kc, vc), scales, strict=True))
-    else:
-        ref_k, ref_v = kc, vc
-    tiles = TILES[name]._replace(min_tiles=min_tiles, cuda=False)
-    ref = reference_decode(q, ref_k, ref_v, table, lens_t, 128**-0.5)
-    for splits in (2, 16, 128):
-        merged = torch.full_like(q, float("nan"))  # a merge that never ran leaves NaNs
-        paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits, out=merged,
-                               tiles=tiles._replace(merge_last=True), **kv)
-        assert counters_all_zero(q.device), splits
-        apart = paged_decode_attention(q, kc, vc, table, lens_t, 128**-0.5, splits,
-                                       tiles=tiles, **kv)
-        torch.testing.assert_close(merged.float(), apart.float(), rtol=2**-7, atol=1e-3)
-        assert ((merged.double() - ref).norm() / ref.norm()).item() < 1e-2, splits
-    static_q, static_lens = q.clone(), lens_t.clone()
-    out = torch.empty_like(q)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16, out=out,
-                               tiles=tiles._replace(merge_last=True), **kv)
-    # other tile counts than at capture (so other splits have work), within each row's
-    # context (past it the bf16 cache holds NaNs)
-    for step, replay_lens in enumerate(([100, 1000, 9], [200, 3000, 5])):
-        static_q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
-        static_lens.copy_(torch.tensor(replay_lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        eager = paged_decode_attention(static_q, kc, vc, table, static_lens, 128**-0.5, 16,
-                                       tiles=tiles._replace(merge_last=True), **kv)
-        assert torch.equal(out, eager), step
-        assert counters_all_zero(q.device), step
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -87,26 +87,22 @@ def weights(fmt: str, n: int, k: int) -> tuple[dict, int]:
 
 def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
     """(label, call(x, args, n)) for each kernel and tiles to try: FP8 with x quantized (its K
-    step is fixed: its activation group) by a pass before the GEMM or in the GEMM's tiles, and
-    with the weight widened instead (x as it is; each step's dot scaled after it, or
-    `wide-scaled`, the weight scaled before it); the 4-bit formats through the GEMV (one row)
-    and the GEMM."""
+    step is fixed: its activation group) and with the weight widened instead (x as it is); the
+    4-bit formats through the GEMV (one row) and the GEMM."""
     def gemm(t):
         return lambda x, a, n: tg.quant_gemm(x, n=n, tiles=t, **a)
 
-    def fp8(t, quantize_x, in_tile=False, scale_w=False):
+    def fp8(t, quantize_x):
         return lambda x, a, n: tg._fp8_gemm(x, a["w"], a["scales"], a["scale_row"],
-                                            a["scale_cols"], n, False, t, quantize_x, in_tile,
-                                            scale_w)
+                                            a["scale_cols"], n, False, t, quantize_x)
 
     out = []
     block_m = max(16, min(64, 1 << (rows - 1).bit_length()))
     if fmt == tg.FP8 and rows <= tg.SKINNY_ROWS:
-        for form, split, bn, s in itertools.product(
-                ("xq", "xq-tile", "wide", "wide-scaled"), (1, 2, 4, 8), (16, 32, 64), (3, 4, 6)):
+        for quant, split, bn, s in itertools.product((True, False), (1, 2, 4, 8), (16, 32, 64),
+                                                     (3, 4, 6)):
             t = tg.QuantTiles(block_m, bn, 128, 4, s, split)
-            out.append((f"{form} {tuple(t)}", fp8(t, not form.startswith("wide"),
-                                                  form == "xq-tile", form == "wide-scaled")))
+            out.append((f"{'xq' if quant else 'wide'} {tuple(t)}", fp8(t, quant)))
         return out
     if rows == 1 and fmt != tg.FP8:
         tiles = [tg.QuantTiles(1, bn, bk, 4, 3, split) for split, bn, bk in

@@ -62,7 +62,7 @@ def compile_only(capability: int = 90, shared: list | None = None) -> None:
 
 def cases():
     """(name, launch) for every kernel and its variants (dtypes, flags)."""
-    from nanoserve.attention.triton_decode import TILES, Tiles, paged_decode_attention
+    from nanoserve.attention.triton_decode import Tiles, paged_decode_attention
     from nanoserve.attention.triton_kv_store import store_fp8
     from nanoserve.attention.triton_rope_store import rope_and_store
     from nanoserve.kv.fp8_format import FP8
@@ -112,13 +112,6 @@ def cases():
     for q_dtype in (bf16, torch.float32):  # a GQA group of 8 (Qwen3-30B-A3B)
         yield f"decode attention, bf16 KV, 32 heads / 4 (default tiles), q {q_dtype}", decode(
             bf16, q=torch.zeros(4, 32, d, dtype=q_dtype), kvh=4)
-    # the last split merges (Tiles.merge_last), splits of at least 4 tiles; groups of 4 and 8
-    for (dt, name), kvh, q_dtype in itertools.product(
-            ((bf16, "default"), (bf16, "batched"), (FP8, "fp8-batched")), (8, 4),
-            (bf16, torch.float32)):
-        yield f"decode attention, {dt}, {name} tiles, last split merges, {heads} heads / {kvh}, " \
-            f"q {q_dtype}", decode(dt, tiles=TILES[name]._replace(merge_last=True, min_tiles=4),
-                                   q=q.to(q_dtype), kvh=kvh)
     for qk_norm in (norm, None):
         yield f"rope + store, q/k norm {qk_norm is not None}", lambda qk_norm=qk_norm: \
             rope_and_store(q, k, v, cos_sin, positions, qk_norm, caches[bf16][0],
@@ -178,17 +171,6 @@ def quant_cases():
         yield f"FP8 block-wise, weight widened, bf16, split {split}", lambda s=split: _fp8_gemm(
             torch.zeros(16, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
             fp8["scale_row"], 128, n, False, QuantTiles(16, 64, 128, 4, 4, s), False)
-    for rows, tiles in ((64, None), (32, QuantTiles(32, 64, 128, 4, 3, 4)),
-                        (16, QuantTiles(16, 32, 128, 4, 4, 2))):
-        yield f"FP8 block-wise, x quantized in the tile, {rows} rows bf16", \
-            lambda r=rows, t=tiles: _fp8_gemm(
-                torch.zeros(r, k, dtype=torch.bfloat16), fp8["w"], fp8["scales"],
-                fp8["scale_row"], 128, n, False, t, True, x_in_tile=True)
-    for rows, dtype in ((16, torch.bfloat16), (64, torch.float16)):
-        yield f"FP8 block-wise, weight scaled before the dot, {rows} rows {dtype}", \
-            lambda r=rows, d=dtype: _fp8_gemm(
-                torch.zeros(r, k, dtype=d), fp8["w"], fp8["scales"], fp8["scale_row"], 128, n,
-                False, QuantTiles(r, 32, 128, 4, 3, 2), False, scale_w=True)
 
 
 def moe_cases():

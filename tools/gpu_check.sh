@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|xintile|mergelast|mergeab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; MERGE_TILES, MERGE_MODELS for mergeab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
 # MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -346,53 +346,22 @@ for w in $what; do
       AB_FILE=nanoserve/models/fused_moe.py AB_OTHER=/tmp/fused_moe_triton_fp8.py AB_CMD="python3 \
         bench_offload.py --model Qwen3-30B-A3B-FP8 --input-len 4096 --output-len 64 \
         --resident-graph" bash tools/gpu_check.sh ab ;;
-    mergelast)  # issue 35 (and every model's batch 1-8): decode attention's last split merging
-                # (Tiles.merge_last, session 33, off) and splits of at least 4 tiles: the GPU
-                # test, tune_decode at the engine's split counts, then Qwen3-30B-A3B @ 4K and
-                # Qwen3-8B @ 32K batch-1 TPOT with both on against off, alternating
-      run python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -k "last_split or groups_of_8" \
-        -p no:cacheprovider 2>&1 | tee "$OUT/pytest_mergelast.log" | grep -E "passed|failed|^E  " \
-        | tail -20
-      run python3 tools/tune_decode.py --dtypes bf16 --heads 32x4 \
-        --shapes 1x4096,1x32768 --block-n 64,128 --warps 4 --stages 2 --mults 1 --max-len 40960 \
-        --min-tiles 1,2,4,8 --merge-last 2>&1 | tee "$OUT/tune_mergelast.log" | tail -16
-      bash tools/gpu_check.sh mergeab ;;
-    mergeab)  # the engine's batch-1 TPOT with the default decode tiles replaced by MERGE_TILES
-              # (default "64, 4, 2, min_tiles=4, merge_last=True") against the default,
-              # alternating, on MERGE_MODELS (default Qwen3-30B-A3B @ 4K and Qwen3-8B @ 32K)
-      tiles=${MERGE_TILES:-64, 4, 2, min_tiles=4, merge_last=True}
+    tilesab)  # the engine's batch-1 TPOT with the default decode tiles replaced by DECODE_TILES
+              # (Tiles' arguments, e.g. "128, 4, 2") against the default, alternating, on
+              # TILES_MODELS (default Qwen3-30B-A3B @ 4K and Qwen3-8B @ 32K)
+      tiles=${DECODE_TILES:?DECODE_TILES, the Tiles arguments to time}
       sed "s/^TILES = {\"default\": Tiles(64, 4, 2),\$/TILES = {\"default\": Tiles($tiles),/" \
-        nanoserve/attention/triton_decode.py > /tmp/triton_decode_merge.py
-      grep -q "Tiles($tiles)" /tmp/triton_decode_merge.py || echo "=== $tiles was not turned on"
-      cp nanoserve/attention/triton_decode.py /tmp/triton_decode_apart.py
-      cp /tmp/triton_decode_merge.py nanoserve/attention/triton_decode.py  # "new": MERGE_TILES
-      IFS=';' read -ra models <<< "${MERGE_MODELS:-Qwen3-30B-A3B --input-len 4096;Qwen3-8B --input-len 32768}"
+        nanoserve/attention/triton_decode.py > /tmp/triton_decode_tiles.py
+      grep -q "Tiles($tiles)" /tmp/triton_decode_tiles.py || echo "=== $tiles was not turned on"
+      cp nanoserve/attention/triton_decode.py /tmp/triton_decode_default.py
+      cp /tmp/triton_decode_tiles.py nanoserve/attention/triton_decode.py  # "new": DECODE_TILES
+      IFS=';' read -ra models <<< "${TILES_MODELS:-Qwen3-30B-A3B --input-len 4096;Qwen3-8B --input-len 32768}"
       for m in "${models[@]}"; do
-        AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=/tmp/triton_decode_apart.py \
+        AB_FILE=nanoserve/attention/triton_decode.py AB_OTHER=/tmp/triton_decode_default.py \
           AB_CMD="python3 bench_offload.py --model $m --output-len 64 --resident-graph" \
           bash tools/gpu_check.sh ab
       done
-      cp /tmp/triton_decode_apart.py nanoserve/attention/triton_decode.py ;;
-    xintile)  # issue 36: FP8 at 16-64 rows with x quantized in the GEMM's tiles (session 33,
-              # triton_gemm.QUANTIZE_X_IN_TILE, off): its GPU test (bit-equal to the pass), the
-              # tiles (xq-tile against xq; wide-scaled too: the weight scaled before the dot),
-              # then Qwen3-8B-FP8's 64 x 512 TPOT with it on and off
-      run python3 -m pytest -q -m gpu tests/test_gpu_quant.py \
-        -k "in_the_gemm_tiles or scaled_before or split_k" \
-        -p no:cacheprovider 2>&1 | tee "$OUT/pytest_xintile.log" | grep -E "passed|failed|^E  " \
-        | tail -20
-      run python3 tools/bench_quant.py --rows 16,64 --shapes qkv,o,down --formats fp8 --tune \
-        2>&1 | tee "$OUT/bench_xintile.log" | grep -E "^fp8|fastest" | tail -30
-      sed 's/^QUANTIZE_X_IN_TILE = False$/QUANTIZE_X_IN_TILE = True/' \
-        nanoserve/quant/triton_gemm.py > /tmp/triton_gemm_tile.py
-      grep -q "^QUANTIZE_X_IN_TILE = True" /tmp/triton_gemm_tile.py \
-        || echo "=== QUANTIZE_X_IN_TILE was not turned on"
-      cp nanoserve/quant/triton_gemm.py /tmp/triton_gemm_pass.py
-      cp /tmp/triton_gemm_tile.py nanoserve/quant/triton_gemm.py  # "new": in the tiles
-      AB_FILE=nanoserve/quant/triton_gemm.py AB_OTHER=/tmp/triton_gemm_pass.py AB_CMD="python3 \
-        bench_offload.py --model Qwen3-8B-FP8 --input-len 512 --batch-size 64 --output-len 64 \
-        --resident-graph" bash tools/gpu_check.sh ab
-      cp /tmp/triton_gemm_pass.py nanoserve/quant/triton_gemm.py ;;
+      cp /tmp/triton_decode_default.py nanoserve/attention/triton_decode.py ;;
     quant)  # issue 36: the quantized GEMM's GPU tests and its tiles against the memory floor
             # (decode) and cuBLAS (prefill), Qwen3-8B's shapes
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \

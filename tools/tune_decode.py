@@ -9,9 +9,8 @@ both ways:
     python tools/tune_decode.py --dtypes fp8 --block-n 128 --warps 4 --stages 2 --f16-dot \
         --transposed
 `--f16-dot only` / `--transposed only` try those forms alone; `--cuda` adds FP8's CUDA kernel.
-`--min-tiles 1,4` tries splits of at least that many tiles, `--merge-last` also the last split
-merging (Tiles.merge_last); `--max-len` sets the split count as the engine's max_len does (by
-default each shape's own context).
+`--max-len` sets the split count as the engine's max_len does (by default each shape's own
+context).
 """
 
 from __future__ import annotations
@@ -87,9 +86,6 @@ def main() -> None:
                     "(Tiles.transposed)")
     ap.add_argument("--cuda-stages", default="2,3,4",
                     help="with --cuda: tiles a warp holds in shared memory (2 to 4)")
-    ap.add_argument("--min-tiles", default="1", help="Tiles.min_tiles to try")
-    ap.add_argument("--merge-last", action="store_true",
-                    help="also try the last split program merging (Tiles.merge_last)")
     ap.add_argument("--max-len", type=int, default=0,
                     help="the split count's max_len (the engine's: the model's context)")
     ap.add_argument("--cuda", action="store_true",
@@ -103,9 +99,6 @@ def main() -> None:
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     base = [Tiles(n, w, s) for n, w, s in itertools.product(ints(args.block_n), ints(args.warps),
                                                              ints(args.stages))]
-    base = [t._replace(min_tiles=m) for t in base for m in ints(args.min_tiles)]
-    if args.merge_last:
-        base += [t._replace(merge_last=True) for t in base]
     if args.tma:  # PAGE (256) is a multiple of every block_n tried
         base += [t._replace(tma=True) for t in base]
     if args.transposed:

@@ -3,11 +3,8 @@
 Stage 1: program (sequence b, kv head h, split s) reads its share of b's KV tiles once and
 computes attention for all query heads of h's GQA group at once (one tl.dot per tile), writing
 an unnormalized-free partial output and its log-sum-exp. Stage 2 merges the splits; with one
-split (large batches) stage 1 writes the output itself and there is no stage 2. With
-Tiles.merge_last the last of a (row, KV head)'s split programs to finish merges its group's
-parts (a per-(row, head) counter, zero between launches, says which is last), and there is
-no stage 2 either. The split count depends only on the batch size, so a captured graph stays
-valid for any context length; Tiles.min_tiles leaves the splits past a short context empty.
+split (large batches) stage 1 writes the output itself and there is no stage 2. The split
+count depends only on the batch size, so a captured graph stays valid for any context length.
 
 FP8 KV (kv/fp8.py) is read as stored and dequantized in registers: e4m3 values convert exactly
 to the query's dtype, and each token's scale multiplies, in float32, its column of q.k (K) and
@@ -44,7 +41,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoserve import pdl
 from nanoserve.attention import cuda_fp8_decode
-from nanoserve.split_counters import zeroed_counters
 
 BLOCK_N = 64  # the tile that bounds the split count (num_splits_for)
 
@@ -71,13 +67,6 @@ class Tiles(NamedTuple):
     # tiles deep, cuda_split_factor times the caller's split count; Triton's where it does not
     cuda: bool = False
     cuda_split_factor: float = 0.25
-    # a split holds at least this many tiles: at short contexts fewer splits have work (the
-    # others store empty parts), and fewer parts are merged
-    min_tiles: int = 1
-    # several splits, Triton's kernel, the output given (paged_decode_attention): the last of
-    # a (row, KV head)'s split programs to finish merges its group's parts into the output
-    # (_merge_group), in place of the merge kernel
-    merge_last: bool = False
 
 
 # per stored KV dtype, measured on an H200 by tools/tune_decode.py in CUDA graphs (Qwen3-8B
@@ -161,23 +150,21 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
 _SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_pt", "stride_ob", "stride_oh"])
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_pt"])
 def _decode_split_kernel(
-    Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, Out,
-    Counters, scale,
+    Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_sp, stride_st, stride_sh,
     stride_pt,
     stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh, num_splits, stride_ob, stride_oh,
+    stride_mlb, stride_mlh, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_DOT: tl.constexpr, TMA: tl.constexpr,
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
-    HAS_STARTS: tl.constexpr, MIN_TILES: tl.constexpr, MERGE_LAST: tl.constexpr,
-    MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.start(PDL)
     b = tl.program_id(0)
@@ -188,7 +175,7 @@ def _decode_split_kernel(
     start = tl.load(Starts + b) if HAS_STARTS else 0
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
     first_tile = start // BLOCK_N
-    per_split = tl.maximum(tl.cdiv(num_tiles - first_tile, num_splits), MIN_TILES)
+    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
     tile_lo = first_tile + s * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
@@ -296,55 +283,6 @@ def _decode_split_kernel(
              mask=_per_head(g_mask, TRANSPOSED) & _per_token(d_mask, TRANSPOSED))
     if not DIRECT:
         tl.store(MidLse + b * stride_mlb + heads * stride_mlh + s, lse, mask=g_mask)
-    if MERGE_LAST:
-        tl.debug_barrier()  # every thread's part stored before the count says so (release)
-        counter = Counters + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            # splits from cdiv(tiles, per_split) on had no work: their parts are not read
-            _merge_group(MidO, MidLse, Out, b, kvh * GROUP,
-                         tl.cdiv(num_tiles - first_tile, per_split), stride_mob, stride_moh,
-                         stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, GROUP,
-                         MERGE_G, MERGE_S, HEAD_DIM, BLOCK_D)
-            tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next launch
-
-
-@triton.jit
-def _merge_group(MidO, MidLse, Out, b, head0, live, stride_mob, stride_moh, stride_mos,
-                 stride_mlb, stride_mlh, stride_ob, stride_oh, GROUP: tl.constexpr,
-                 MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """The merge kernel's sums for GROUP heads from head0 at once over the first `live`
-    splits of row b, MERGE_S splits a step; the parts are read from L2 (.cg: other programs
-    wrote them)."""
-    offs_g = tl.arange(0, MERGE_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = head0 + offs_g
-    m = tl.full([MERGE_G], float("-inf"), tl.float32)
-    w_sum = tl.zeros([MERGE_G], tl.float32)
-    o_sum = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
-    for s0 in range(0, live, MERGE_S):
-        offs_s = s0 + tl.arange(0, MERGE_S)
-        gs_mask = g_mask[:, None] & (offs_s < live)[None, :]
-        lse = tl.load(MidLse + b * stride_mlb + heads[:, None] * stride_mlh + offs_s[None, :],
-                      mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m - safe_m)
-        w = tl.exp(lse - safe_m[:, None])
-        rows = b * stride_mob + heads[:, None] * stride_moh + offs_s[None, :] * stride_mos
-        if HEAD_DIM % 16 == 0:  # each part's row starts a multiple of 16 floats in: vector loads
-            rows = tl.multiple_of(rows, [16, 16])
-        o = tl.load(MidO + rows[:, :, None] + offs_d[None, None, :],
-                    mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0,
-                    cache_modifier=".cg")
-        o_sum = o_sum * rescale[:, None] + tl.sum(o * w[:, :, None], 1)
-        w_sum = w_sum * rescale + tl.sum(w, 1)
-        m = m_new
-    out = o_sum / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=_SPLIT_ARGS)
@@ -440,7 +378,7 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, out, k_scale,
             v_scale, tiles, starts) -> Partials | None:
-    """out given and one split (or tiles.merge_last): written directly, None returned."""
+    """out given and one split: written directly, None returned."""
     batch, heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -467,8 +405,6 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     else:  # never read
         k_desc = v_desc = k_cache
     direct = num_splits == 1 and out is not None  # writes the output: no merge kernel
-    merge_last = tiles.merge_last and not direct and out is not None and not cuda
-    assert tiles.min_tiles >= 1, tiles
     mid_o = out.unsqueeze(2) if direct else \
         torch.empty(batch, heads, num_splits, d, dtype=torch.float32, device=q.device)
     # one split stores no log-sum-exp: nothing to allocate
@@ -486,32 +422,25 @@ def _stage1(q, k_cache, v_cache, page_tables, context_lens, scale, num_splits, o
     # the group is padded to an MMA's N (8) when transposed, to its M (16) otherwise
     block_g = max(8 if tiles.transposed else 16, triton.next_power_of_2(group))
     pdl_args = pdl.launch_args(q)
-    merge_g = triton.next_power_of_2(group)
-    counters = zeroed_counters("decode", q.device, batch * kv_heads) if merge_last else mid_lse
-    out_at = out if merge_last else mid_o  # never written unless merge_last
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_tables, context_lens,
-        starts if starts is not None else context_lens, mid_o, mid_lse, out_at, counters,
-        scale,
+        starts if starts is not None else context_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_strides,
         page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), num_splits, out_at.stride(0), out_at.stride(1),
+        mid_lse.stride(0), mid_lse.stride(1), num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=d,
         BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=tiles.block_n,
         PRECISION=precision, SCALED=scaled, F16_DOT=f16_dot, TMA=tiles.tma,
         IN_PAGE=not tiles.tma and page_size % tiles.block_n == 0, DIRECT=direct,
-        TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None, MIN_TILES=tiles.min_tiles,
-        MERGE_LAST=merge_last, MERGE_G=merge_g,
-        # a merge step's parts [MERGE_G, MERGE_S, BLOCK_D] in about 32 registers a thread
-        MERGE_S=max(1, (32 * 32 * tiles.num_warps) // (merge_g * block_d)),
+        TRANSPOSED=tiles.transposed, HAS_STARTS=starts is not None,
         **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return None if direct or merge_last else Partials(mid_o, mid_lse)
+    return None if direct else Partials(mid_o, mid_lse)
 
 
 def merge_partials(parts: Partials, out: torch.Tensor,

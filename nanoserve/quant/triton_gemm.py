@@ -5,10 +5,8 @@ their quantized size, once per row tile, and never written back dequantized.
   dynamic`) and as vLLM and SGLang run them, from WIDE_ROWS rows x is quantized too, to e4m3
   per row and 128 inputs (its scale: the group's largest magnitude over 448), in one pass
   before the GEMM (`quantize_activations`; `fp8_activations_reference` is its torch twin), and
-  the product runs on FP8 tensor cores (QUANTIZE_X_IN_TILE: up to SKINNY_ROWS rows the GEMM's
-  programs quantize the tiles of x they load instead, no pass). Below WIDE_ROWS (batch-1
-  decode) the weight is widened to x's dtype in the tile instead: one kernel, no quantization
-  pass. `_fp8_gemm_kernel`:
+  the product runs on FP8 tensor cores. Below WIDE_ROWS (batch-1 decode) the weight is widened
+  to x's dtype in the tile instead: one kernel, no quantization pass. `_fp8_gemm_kernel`:
   acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a step never crossing a weight scale
   block, `scale_row` naming each output's row of the weight scales' grid (block-wise: its
   shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
@@ -40,7 +38,6 @@ import triton.language as tl
 
 from nanoserve.extensions import device_capability
 from nanoserve.quant.formats import gpu_reads_e4m3
-from nanoserve.split_counters import zeroed_counters
 
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
 SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
@@ -49,10 +46,6 @@ INT4_MAX_ROWS = 1024  # more rows: dequantized once, then cuBLAS (the 4-bit GEMM
 # a fifth of cuBLAS's bf16 rate; tools/bench_quant.py at 4096 rows)
 WIDE_ROWS = 16  # FP8 below this many rows: x not quantized, the weight widened to x's dtype
 # in the kernel (the quantization pass cost as much as it saved; tools/bench_quant.py --tune)
-# FP8 at WIDE_ROWS-SKINNY_ROWS rows: each GEMM program quantizes the x tiles it loads, in place
-# of a quantize_activations pass (a kernel) before each GEMM; the same e4m3 values. Not yet
-# measured (session 33: at 64 x 512 the passes are 144 of a step's kernels)
-QUANTIZE_X_IN_TILE = False
 CUBLAS_ROWS = SKINNY_ROWS + 1  # FP8 128 x 128 blocks from this many rows: cuBLAS (at 16-64
 # rows the Triton kernel was as fast or faster; tools/bench_quant.py --tune)
 # (A kernel with the weight as the dot's left operand, widened and scaled in registers for
@@ -127,16 +120,11 @@ def _store_split(acc, offs, mask, Y, Partials, Counters, tile, size, SPLIT_K: tl
 @triton.jit
 def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N, K,
                      stride_xm, stride_xs, stride_w, stride_s, scale_cols, FP8_X: tl.constexpr,
-                     QUANTIZE_X: tl.constexpr, SCALE_ONCE: tl.constexpr, SCALE_W: tl.constexpr,
-                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     SCALE_ONCE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W e4m3 [N, K]; Scales [rows, ceil(K / scale_cols)], ScaleRow [N] each output's row. x
-    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or 16-bit and quantized
-    # here a tile at a time as quantize_activations would (FP8_X and QUANTIZE_X; XScale
-    # unread), or as it is, w widened to its dtype: each step's dot scaled after it, or
-    # (SCALE_W) the step's scales applied to the widened weight before it, so that one
-    # accumulator runs through the dots. Program (m, n, s) takes the s-th of SPLIT_K parts of
-    # K (_store_split)
+    # e4m3 with XScale [K / BLOCK_K, M] (quantize_activations; FP8_X), or as it is, w widened
+    # to its dtype. Program (m, n, s) takes the s-th of SPLIT_K parts of K (_store_split)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_start = pid_k * (K // SPLIT_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -151,26 +139,16 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-        if SCALE_W:  # 16-bit x, block-wise scales
-            w_scale = tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)
-            acc = tl.dot(x, tl.trans((w.to(tl.float32) * w_scale[:, None]).to(x.dtype)), acc)
+        if FP8_X:
+            x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok, other=0.0)
+            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
         else:
-            if FP8_X:
-                if QUANTIZE_X:
-                    xq, x_scale = _e4m3_groups(x)
-                    x = xq.to(W.dtype.element_ty)
-                else:
-                    x_scale = tl.load(XScale + (k0 // BLOCK_K) * stride_xs + offs_m, mask=m_ok,
-                                      other=0.0)
-                part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
-            else:
-                part = tl.dot(x, tl.trans(w.to(x.dtype)),
-                              input_precision="ieee" if x.dtype == tl.float32 else None)
-            if SCALE_ONCE:
-                acc += part
-            else:
-                acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok,
-                                      other=0.0)[None, :]
+            part = tl.dot(x, tl.trans(w.to(x.dtype)),
+                          input_precision="ieee" if x.dtype == tl.float32 else None)
+        if SCALE_ONCE:
+            acc += part
+        else:
+            acc += part * tl.load(Scales + row + k0 // scale_cols, mask=n_ok, other=0.0)[None, :]
         x_at += BLOCK_K
         w_at += BLOCK_K
     if SCALE_ONCE:
@@ -178,16 +156,6 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
     _store_split(acc, offs_m[:, None].to(tl.int64) * N + offs_n[None, :],
                  m_ok[:, None] & n_ok[None, :], Y, Partials, Counters,
                  pid_m * tl.num_programs(1) + pid_n, M * N, SPLIT_K)
-
-
-@triton.jit
-def _e4m3_groups(x):
-    # each row of x [R, GROUP] over its largest magnitude / 448, in float32 (e4m3's range,
-    # to be converted by the caller), and those scales [R]: one definition for the pass and
-    # the GEMM's tiles, so both give the same e4m3 values
-    x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return tl.clamp(x / scale[:, None], -448.0, 448.0), scale
 
 
 @triton.jit
@@ -200,8 +168,9 @@ def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
     g = tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < K
-    x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0)
-    xq, scale = _e4m3_groups(x)
+    x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(XQ + m * stride_qm + offs, xq.to(XQ.dtype.element_ty), mask=ok)
     tl.store(XScale + g * stride_sg + m, scale, mask=g * GROUP < K)
 
@@ -485,14 +454,7 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
 
 def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
-              tiles: QuantTiles | None, quantize_x: bool | None = None,
-              x_in_tile: bool | None = None, scale_w: bool = False) -> torch.Tensor:
-    """quant_gemm's FP8 product. quantize_x: x to e4m3 (default: from WIDE_ROWS rows of 16-bit
-    x); x_in_tile: up to SKINNY_ROWS rows, each program quantizes the x tile it loads (default
-    QUANTIZE_X_IN_TILE) in place of a pass before the GEMM; scale_w: x not quantized, 16-bit,
-    block-wise scales: each step's scales multiply the widened weight (rounded to x's dtype)
-    before the dot, one accumulator through the dots (tools/bench_quant.py's `wide-scaled`;
-    not yet measured)."""
+              tiles: QuantTiles | None, quantize_x: bool | None = None) -> torch.Tensor:
     m, k = x.shape
     dtype = x.dtype
     block_k = activation_group(k, scale_cols)
@@ -506,10 +468,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16)
         return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
                                 out_dtype=dtype)[:m]
-    scale_w = scale_w and not fp8_x and scale_cols < k and dtype != torch.float32
-    in_tile = fp8_x and m <= SKINNY_ROWS and (QUANTIZE_X_IN_TILE if x_in_tile is None
-                                              else x_in_tile)
-    if fp8_x and not in_tile:
+    if fp8_x:
         x, x_scale = quantize_activations(x, block_k)
     tiles = tiles or tiles_for(m, n, FP8, fp8_x)
     split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
@@ -519,18 +478,30 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     _fp8_gemm_kernel[grid](
         x, x_scale, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
         x.stride(0), x_scale.stride(1), w.stride(0), scales.stride(0), scale_cols,
-        FP8_X=fp8_x, QUANTIZE_X=in_tile, SCALE_ONCE=scale_cols >= k, SCALE_W=scale_w,
-        SPLIT_K=split,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        FP8_X=fp8_x, SCALE_ONCE=scale_cols >= k, SPLIT_K=split, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return y
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def split_buffers(y: torch.Tensor, split: int, grid: tuple[int, int, int]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """_store_split's float32 parts (split x y's size, left unset) and its per-tile counters
-    (split_counters.zeroed_counters)."""
+    """_store_split's float32 parts (split x y's size, left unset) and its per-tile counters:
+    one zeroed tensor a device, made at the first split launch (the eager warm-up, before any
+    graph capture) and kept zero by the kernels. Invariant: kernels sharing it never run
+    concurrently (they run on the model's one compute stream)."""
     if split == 1:
         return y, y
-    counters = zeroed_counters("split-k", y.device, grid[0] * grid[1])
+    tiles = grid[0] * grid[1]
+    counters = _COUNTERS.get(y.device)
+    if counters is None or counters.numel() < tiles:
+        assert not (y.is_cuda and torch.cuda.is_current_stream_capturing()), "made in a capture"
+        if counters is not None:  # graphs captured on it keep its address: never freed
+            _OUTGROWN.append(counters)
+        counters = _COUNTERS[y.device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
+                                                     device=y.device)
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), counters
