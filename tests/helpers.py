@@ -100,17 +100,17 @@ def corrupt_host_scales(engine, layer: int, pages: list[int], value: float) -> N
         scales[pages] = value
 
 
-def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
-    """GPU: the Qwen3-8B shape with dummy weights; a 32K prompt's 8 greedy tokens through a GPU
-    KV budget too small for its KV (some layers streamed) equal the resident engine's (the
-    link alone unless kw names a CPU attention setting)."""
+def offloaded_and_resident_32k(gpu_kv_budget_gib: float, params: SamplingParams, **kw):
+    """GPU: the Qwen3-8B shape with dummy weights; a 32K prompt's completion under `params`
+    through a GPU KV budget too small for its KV (some layers streamed), and the resident
+    engine's (the link alone unless kw names a CPU attention setting): (offloaded, resident)
+    RequestOutputs."""
     from conftest import random_prompts
 
     prompt = random_prompts(1, [32768], vocab=151936, seed=11)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     common = dict(dummy_weights=True, max_model_len=32768 + 16, max_num_seqs=1, progress=False,
                   **{"cpu_attention": "off", **kw})
-    resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0].token_ids
+    resident = LLM("Qwen3-8B", **common).generate(prompt, params)[0]
     gc.collect()
     torch.cuda.empty_cache()
     llm = LLM("Qwen3-8B", enable_offload=True, gpu_kv_budget_gib=gpu_kv_budget_gib, **common)
@@ -118,7 +118,15 @@ def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
     assert plan.streamed_layers > 0 and plan.num_pages * 256 >= 32768 + 8
     out = llm.generate(prompt, params)[0]
     assert out.error is None, out.error
-    assert out.token_ids == resident, (out.token_ids, resident)
+    return out, resident
+
+
+def assert_32k_offload_equals_resident(gpu_kv_budget_gib: float, **kw) -> None:
+    """offloaded_and_resident_32k's 8 greedy tokens equal: the streamed layers run the
+    resident path's kernels on the same values."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out, resident = offloaded_and_resident_32k(gpu_kv_budget_gib, params, **kw)
+    assert out.token_ids == resident.token_ids, (out.token_ids, resident.token_ids)
 
 
 def cuttings(text: str) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """GPU: CPU attention beside the link. The Triton GPU share (each row from its start) merged with
 the CPU kernel's share equals whole attention; the engine with the split gives offload off's
 greedy tokens (eager and graphs, bf16 and FP8, batches, any fraction); the Qwen3-8B shape at
-32K with the split gives the resident engine's tokens."""
+32K with the split follows the resident engine's tokens up to its near-ties."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import GPU_SHAPE, make_hf_model, random_prompts
 from helpers import (
-    assert_32k_offload_equals_resident,
     corrupt_host_kv,
     make_gpu_llm,
+    offloaded_and_resident_32k,
     random_layer_rows,
 )
 
@@ -23,24 +23,29 @@ from nanoserve.kv.spec import KVSpec
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
 TOL = 0.05  # logprob difference of the same token: the bf16 merges' rounding, not an error
 
 
 def assert_greedy_within_ties(ref, got) -> int:
     """Each completion follows the reference's greedy tokens, each token's logprob within TOL
-    of the reference's, until a step where the reference's two best tokens are within 2 TOL (a
-    tie the split's rounding may break the other way); returns the tokens compared."""
+    of the reference's, until a step where it takes another of the reference's top tokens, one
+    within 2 TOL of the best there (a tie the split's rounding may break the other way), with
+    that token's logprob within TOL of the reference's; returns the tokens compared."""
     compared = 0
     for r, g in zip(ref, got, strict=True):
         for a, b in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             if a.token_id != b.token_id:
-                (_, l1), (_, l2) = a.top[:2]
-                assert l1 - l2 < 2 * TOL, (a, b)
+                ref_top = dict(a.top)
+                assert b.token_id in ref_top, (a, b)
+                assert a.top[0][1] - ref_top[b.token_id] < 2 * TOL, (a, b)
+                assert abs(b.logprob - ref_top[b.token_id]) < TOL, (a, b)
                 break
             assert abs(a.logprob - b.logprob) < TOL, (a, b)
             compared += 1
     return compared
+
+
 SHAPE = dict(GPU_SHAPE, num_hidden_layers=6, max_position_embeddings=8192)
 
 
@@ -119,8 +124,15 @@ def test_corrupting_a_page_only_the_cpu_reads_changes_the_tokens(model_dir):
     assert seq.output_token_ids != ref
 
 
-def test_32k_qwen3_8b_with_the_split_equals_resident():
-    assert_32k_offload_equals_resident(4.0, cpu_attention="auto")
+def test_32k_qwen3_8b_with_the_split_follows_resident_up_to_its_ties():
+    """The CPU's share sums in float32 in its own order and the merge adds a part, so at the
+    Qwen3-8B shape (36 layers, dummy weights: flat logits) a near-tie of the resident engine's
+    may break the other way. Session 34 on an H200: the first decode step's two best were
+    0.0625 apart (one bf16 step of the logits), and the merge kernel's loads widened to 16
+    bytes once took the second there (session 23's specialized strides too)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    out, resident = offloaded_and_resident_32k(4.0, params, cpu_attention="auto")
+    assert assert_greedy_within_ties([resident], [out]) >= 1
 
 
 def test_the_device_reads_the_hosts_results_fresh_each_time():
