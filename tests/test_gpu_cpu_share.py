@@ -128,8 +128,9 @@ def test_32k_qwen3_8b_with_the_split_follows_resident_up_to_its_ties():
     """The CPU's share sums in float32 in its own order and the merge adds a part, so at the
     Qwen3-8B shape (36 layers, dummy weights: flat logits) a near-tie of the resident engine's
     may break the other way. Session 34 on an H200: the first decode step's two best were
-    0.0625 apart (one bf16 step of the logits), and the merge kernel's loads widened to 16
-    bytes once took the second there (session 23's specialized strides too)."""
+    0.0625 apart (one bf16 step of the logits), and the engine with the merge kernel's loads
+    widened to 16 bytes once decoded another token there (as with session 23's specialized
+    strides), once not (the `auto` share is timed at start-up)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     out, resident = offloaded_and_resident_32k(4.0, params, cpu_attention="auto")
     assert assert_greedy_within_ties([resident], [out]) >= 1
