@@ -88,8 +88,12 @@ def test_gpu_share_merged_with_cpu_share_equals_whole(kv_dtype, batch):
                             starts, scale)
     parts = decode_partials(q.cuda(), *args, starts.cuda(), k_scale=kcs, v_scale=vcs)
     split = merge_partials(parts, torch.empty_like(q.cuda()), (o_cpu.cuda(), lse_cpu.cuda()))
-    err = (split.float() - whole.float()).abs().max().item()
-    assert err < 2e-2, err  # bf16 output rounding, different summation orders
+    # each row within bf16's rounding of the whole kernel's (one step is 2^-8 relative; the
+    # outputs are means over thousands of tokens, about 0.02 in size, so an absolute bound
+    # would pass a lost share)
+    diff = (split.float() - whole.float()).flatten(1).norm(dim=1)
+    rel = (diff / whole.float().flatten(1).norm(dim=1)).max().item()
+    assert rel < 1e-2, rel
     assert starts.sum() > 0
 
 
