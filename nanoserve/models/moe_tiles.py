@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve.models.config import ModelConfig
+
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
+log = logging.getLogger("nanoserve")
 
 
 class MoETiles(NamedTuple):
@@ -44,6 +48,17 @@ def config_key(num_experts: int, hidden: int, inter: int) -> str:
     return f"E={num_experts},H={hidden},I={inter}"
 
 
+def model_shape(cfg: ModelConfig, tp: int = 1) -> dict:
+    """What config_key names for `cfg` at tensor parallel size `tp` (each expert's intermediate
+    rows split over the ranks), with the top k: tools/tune_moe.py's shape. ValueError for a
+    dense model or a size that does not divide it."""
+    if not cfg.moe_layers:
+        raise ValueError(f"{cfg.architecture} has no mixture-of-experts layers")
+    cfg.check_tensor_parallel(tp)
+    return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size,
+                inter=cfg.moe_intermediate_size // tp)
+
+
 @functools.cache
 def _device_name(index: int | None) -> str:  # asked every layer of every step: once
     return torch.cuda.get_device_name(index)
@@ -57,12 +72,24 @@ def _tuned(device_name: str) -> dict:
 
 def tiles_for(pairs: int, num_experts: int, hidden: int, inter: int,
               device: torch.device) -> MoETiles:
-    """The tuned tiles of the smallest band holding `pairs` on this GPU, else the defaults."""
-    bands = _tuned(_device_name(device.index)).get(config_key(num_experts, hidden, inter), {})
-    for limit in sorted(int(b) for b in bands):
+    """The tuned tiles of the smallest band holding `pairs` on this GPU, else the defaults
+    (with a warning, once, where this GPU has none for the shape)."""
+    name, key = _device_name(device.index), config_key(num_experts, hidden, inter)
+    bands = _tuned(name).get(key)
+    if not bands:
+        _warn_untuned(name, key)
+    for limit in sorted(int(b) for b in bands or {}):
         if pairs <= limit:
             return MoETiles(**bands[str(limit)])
     return default_tiles(pairs)
+
+
+@functools.cache
+def _warn_untuned(device_name: str, key: str) -> None:
+    log.warning("fused MoE: no tuned tiles for %s (experts, hidden, intermediate per GPU) on "
+                "%s; running default tiles, which may be slower. `python tools/tune_moe.py "
+                "--model MODEL [--tp N] --write` tunes them into %s", key, device_name,
+                CONFIG_DIR)
 
 
 def padded_sizes(pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
