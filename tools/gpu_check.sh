@@ -6,7 +6,7 @@
 #                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
-# MOE_BATCHES for moetargets; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
+# MOE_BATCHES for moetargets; TUNEMOE_ARGS for tunemoe; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -382,7 +382,9 @@ for w in $what; do
           --resident-graph --out "$OUT/quantmoe_$m" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -2
       done ;;
     tunemoe)  # issue 35: the fused MoE kernels' tiles per batch band, written into $OUT
-      run python3 tools/tune_moe.py --write "$OUT/moe_configs" 2>&1 | tee "$OUT/tune_moe.log" ;;
+              # (TUNEMOE_ARGS: e.g. "--model Qwen3-30B-A3B --tp 2")
+      run python3 tools/tune_moe.py ${TUNEMOE_ARGS:-} --write "$OUT/moe_configs" 2>&1 \
+        | tee "$OUT/tune_moe.log" ;;
     moeoffload)  # issue 35's item 3: Qwen3-30B-A3B at 128K (YaRN), every layer streamed, bf16
                  # and FP8 KV, against the PCIe floor
       for kv in auto fp8; do
