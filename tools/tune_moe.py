@@ -109,7 +109,7 @@ def main() -> None:
               f"{tuple(best)}")
         bands[str(pairs)] = best._asdict()
     if args.write:
-        file = name.replace(" ", "_") + ".json"
+        file = moe_tiles.config_file(name)
         shipped = moe_tiles.CONFIG_DIR / file
         old = json.loads(shipped.read_text()) if shipped.exists() else {}
         path = Path(args.write) / file

@@ -64,9 +64,14 @@ def _device_name(index: int | None) -> str:  # asked every layer of every step: 
     return torch.cuda.get_device_name(index)
 
 
+def config_file(device_name: str) -> str:
+    """The config file's name for a GPU (moe_configs/<it>, tools/tune_moe.py --write)."""
+    return device_name.replace(" ", "_") + ".json"
+
+
 @functools.cache
 def _tuned(device_name: str) -> dict:
-    path = CONFIG_DIR / (device_name.replace(" ", "_") + ".json")
+    path = CONFIG_DIR / config_file(device_name)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
