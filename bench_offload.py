@@ -276,6 +276,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
         kw["gpu_kv_budget_gib"] = args.gpu_kv_budget
     if args.sync_scheduling:
         kw["async_scheduling"] = False
+    kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()
@@ -823,6 +824,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sync-scheduling", action="store_true",
                     help="turn async scheduling off (the host waits for each step's tokens "
                          "before it schedules the next)")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    default=config_default("max_num_batched_tokens"),
+                    help="prefill tokens per step (the chunk size; default: the engine's, "
+                         "%(default)s)")
     ap.add_argument("--stall", action="store_true",
                     help="also measure a decoding stream's largest gap between tokens while a "
                          "prompt of each --input-len arrives (per graph mode)")
