@@ -38,22 +38,6 @@ def pdl_wanted(capability: tuple[int, int]) -> bool:
     return os.environ.get(PDL_SWITCH) != "0" and capability >= (9, 0)
 
 
-# Bytes of a one-row product's weight (the CUDA GEMVs', the skinny matmul's) that it fetches
-# into L2 before it waits for the kernel ahead of it, whose run it overlaps under PDL: the
-# kernels ahead of a GEMV in a decode step (norms, the attention merge, SiLU-multiply) leave the
-# memory idle. MiB a launch, from NANOSERVE_GEMV_PREFETCH_MB; 0 fetches only each row's first
-# 512 bytes (the CUDA GEMVs) or nothing (the skinny matmul)
-GEMV_PREFETCH_SWITCH = "NANOSERVE_GEMV_PREFETCH_MB"
-GEMV_PREFETCH_MB = 0.0
-
-
-@cache
-def gemv_prefetch_bytes() -> int:
-    """The bytes a one-row product's launch fetches into L2 before its wait (see above)."""
-    mib = float(os.environ.get(GEMV_PREFETCH_SWITCH, GEMV_PREFETCH_MB))
-    return max(0, int(mib * (1 << 20)))
-
-
 @cache
 def device_capability(index: int) -> tuple[int, int]:
     """CUDA device `index`'s compute capability, asked once (the one-row kernels ask at every

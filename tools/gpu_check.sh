@@ -3,10 +3,10 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|prefetchab|ttftchunk|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|ttftchunk|moetargets|quant|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
 # SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
-# MOE_BATCHES for moetargets; CHUNKS, TTFT_MODELS for ttftchunk; PREFETCH_MBS, PREFETCH_ROUNDS, PREFETCH_MODELS for prefetchab; TUNEMOE_ARGS for tunemoe; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
+# MOE_BATCHES for moetargets; CHUNKS, TTFT_MODELS for ttftchunk; TUNEMOE_ARGS for tunemoe; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
 # Server tests need fastapi/uvicorn/openai: carry them as wheels in .whl (see README, GPU notes).
@@ -391,19 +391,6 @@ for w in $what; do
         run python3 bench_offload.py --model Qwen3-30B-A3B-YaRN --input-len 131072 --output-len 32 \
           --offload-graph --resident-layers 0 --kv-cache-dtype $kv --out "$OUT/moeoffload_$kv" 2>&1 \
           | grep -v -E "(it|tok)/s\]" | tail -4
-      done ;;
-    prefetchab)  # batch-1 TPOT with each one-row product fetching NANOSERVE_GEMV_PREFETCH_MB of
-                 # its weight into L2 before its PDL wait, for each of PREFETCH_MBS, in
-                 # PREFETCH_ROUNDS rounds (alternating), on PREFETCH_MODELS
-      IFS=';' read -ra models <<< "${PREFETCH_MODELS:-Qwen3-30B-A3B --input-len 4096;Qwen3-8B-FP8 --input-len 32768;Qwen3-8B-AWQ --input-len 32768}"
-      for m in "${models[@]}"; do
-        for _ in $(seq ${PREFETCH_ROUNDS:-2}); do
-          for mb in ${PREFETCH_MBS:-0 24 48}; do
-            NANOSERVE_GEMV_PREFETCH_MB=$mb run python3 bench_offload.py --model $m \
-              --output-len 64 --resident-graph --out "$OUT/prefetchab" 2>&1 \
-              | grep -v -E "(it|tok)/s\]" | tail -2 | sed "s/^/prefetch $mb MB /"
-          done
-        done
       done ;;
     ttftchunk)  # TTFT by prefill chunk (--max-num-batched-tokens, CHUNKS) on the TTFT targets:
                 # Qwen3-30B-A3B 32 x 4,096, Qwen3-8B-FP8 1 x 32K (TTFT_MODELS overrides)

@@ -30,23 +30,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// bytes [0, bytes) of `rows` rows `stride` bytes apart from `first` fetched into L2, a line at a
-// time, spread over `threads` threads of which this is `t`: what a one-row GEMV asks for before
-// it waits for the kernel ahead (whose tail it overlaps), so that its loop reads from L2
-__device__ __forceinline__ void prefetch_rows_l2(const uint8_t* first, size_t stride, int rows,
-                                                 int bytes, int t, int threads) {
-  const int lines = (bytes + 127) / 128;
-  if (lines >= threads) {  // each row's lines spread over the threads
-    for (int r = 0; r < rows; ++r)
-      for (int l = t; l < lines; l += threads) prefetch_l2(first + r * stride + l * 128);
-    return;
-  }
-  const int at_once = threads / lines;  // else rows at a time, `lines` threads each
-  if (t < at_once * lines)
-    for (int r = t / lines; r < rows; r += at_once)
-      prefetch_l2(first + r * stride + (t % lines) * 128);
-}
-
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from nanoserve import pdl
-from nanoserve.extensions import gemv_prefetch_bytes
 
 MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64
 
@@ -42,17 +41,11 @@ def tiles_for(n: int) -> LinearTiles:
 def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                          PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
+                          PDL: tl.constexpr):
     # BLOCK_R: the rows x is read and worked on in (1 for one row with SiLU-multiply: its work
-    # skips the dot's padding rows), BLOCK_M: the dot's (at least 16). PREFETCH_LINES: 128-byte
-    # lines of each weight row fetched into L2 before the wait (extensions.gemv_prefetch_bytes)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_LINES > 0:
-        rows = W + tl.where(offs_n < N, offs_n, 0).to(tl.int64) * stride_wn
-        lines = rows[:, None] + tl.arange(0, PREFETCH_LINES)[None, :] * 64  # 16-bit weights
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    # skips the dot's padding rows), BLOCK_M: the dot's (at least 16)
     pdl.start(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -93,15 +86,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
         x.shape[1] == (2 * k if silu else k) and k % tiles_for(n).block_k == 0
 
 
-def prefetch_lines(n: int, k: int) -> int:
-    """128-byte lines of each 16-bit weight row that a program fetches into L2 before its PDL
-    wait: the launch's share of extensions.gemv_prefetch_bytes, a power of two (tl.arange), at
-    most the row's."""
-    share = gemv_prefetch_bytes() // (n * 128)
-    lines = min(share, k // 64)  # a row's lines: 64 weights each
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             tiles: LinearTiles | None, silu: bool = False) -> torch.Tensor:
     m = x.shape[0]
@@ -116,8 +100,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_R=1 if silu and m == 1 else block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None, SILU=silu,
-        PREFETCH_LINES=prefetch_lines(n, k) if pdl_args["PDL"] else 0, **pdl_args,
-        num_warps=tiles.num_warps,
+        **pdl_args, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return y
 

@@ -31,12 +31,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.extensions import (
-    device_capability,
-    gemv_prefetch_bytes,
-    one_row_module,
-    pdl_wanted,
-)
+from nanoserve.extensions import device_capability, one_row_module, pdl_wanted
 
 CSRC = Path(__file__).parent / "csrc"
 AWQ_OUTS, PLAIN_OUTS = 256, 32  # outputs a CTA owns (the kernels')
@@ -194,10 +189,8 @@ def awq_gemv(x: torch.Tensor, w: torch.Tensor, zeros: torch.Tensor, scales: torc
     slices = -(-n // AWQ_OUTS)
     split = _split(splits, slices, k // group, AWQ_CTAS_PER_SM, 1, x)
     order = x if x_order is None else x_order  # unread unless ordered
-    # a CTA's run: about k / split rows of a 128-byte slice; at least its first group
-    rows = max(group, gemv_prefetch_bytes() // (slices * split * 128))
     return _launch("awq_gemv", x, n, slices, split, order, w, zeros, scales, group=group,
-                   ordered=int(x_order is not None), prefetch=rows)
+                   ordered=int(x_order is not None))
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor,
@@ -208,7 +201,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: 
     slices = -(-n // PLAIN_OUTS)
     split = _split(splits, slices, k // PLAIN_STEP, PLAIN_CTAS_PER_SM, FP8_MIN_STEPS, x)
     return _launch("fp8_gemv", x, n, slices, split, w, scales, scale_row,
-                   scale_cols=min(scale_cols, 1 << 30), prefetch=_row_prefetch(n, split))
+                   scale_cols=min(scale_cols, 1 << 30))
 
 
 def half_gemv(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
@@ -218,13 +211,7 @@ def half_gemv(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> to
     slices = -(-n // PLAIN_OUTS)
     split = _split(splits, slices, k // PLAIN_STEP, PLAIN_CTAS_PER_SM, HALF_MIN_STEPS, x,
                    fill=True)
-    return _launch("half_gemv", x, n, slices, split, w, prefetch=_row_prefetch(n, split))
-
-
-def _row_prefetch(n: int, split: int) -> int:
-    """The plain kernel's bytes of each row's run fetched into L2 before its wait: the launch's
-    share of gemv_prefetch_bytes, at least the first 512 (a warp's first load of a row)."""
-    return max(512, gemv_prefetch_bytes() // (n * split) // 128 * 128)
+    return _launch("half_gemv", x, n, slices, split, w)
 
 
 def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int, min_units: int,

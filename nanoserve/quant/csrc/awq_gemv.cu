@@ -35,8 +35,8 @@
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
 // divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
-// launch (p.pdl), a CTA fetches the first p.prefetch_rows weight rows of its run into L2 before
-// it waits for the kernel ahead of it (x is that kernel's output).
+// launch (p.pdl), a CTA fetches its first group's weight rows into L2 before it waits for the
+// kernel ahead of it (x is that kernel's output).
 #include "awq_gemv.h"
 #include "gemv_split.cuh"
 
@@ -98,15 +98,13 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   float out[32];
 #pragma unroll
   for (int o = 0; o < 32; ++o) out[o] = 0.f;
-  // the CTA's slices (128 bytes, or what is left of the rows: two lines where a slice
-  // straddles them, rows being n / 2 bytes apart) of its run's first p.prefetch_rows rows
-  const int slice_bytes = min(128, (words - blockIdx.x * (OUTS / 8)) * 4);
-  const uint8_t* slices = reinterpret_cast<const uint8_t*>(
-      p.qweight + static_cast<size_t>(k_begin) * words + blockIdx.x * (OUTS / 8));
-  one_row::prefetch_rows_l2(slices, static_cast<size_t>(words) * 4, min(rows, p.prefetch_rows),
-                            slice_bytes, threadIdx.x, THREADS);
-  one_row::prefetch_rows_l2(slices + slice_bytes - 1, static_cast<size_t>(words) * 4,
-                            min(rows, p.prefetch_rows), 1, threadIdx.x, THREADS);
+  // lane col of a quarter warp: its row's 128-byte slice in step col of the first group (two
+  // lines where the slice straddles them: rows are n / 2 bytes apart)
+  if (live && col < STEPS) {
+    const uint32_t* slice = w - col * 4 + static_cast<size_t>(col * ROW_SLOTS) * words;
+    one_row::prefetch_l2(slice);
+    one_row::prefetch_l2(slice + 31);
+  }
   one_row::pdl_wait();
 
   // a group's weights, x and zeros are loaded a group ahead, its scales as it starts: the sums

@@ -17,7 +17,6 @@ struct AwqGemvParams {
   int32_t* counters;          // one per slice of outputs, zero between launches
   int n, k, group;
   int splits;                 // CTAs K is split over (1 to k / group), each whole groups
-  int prefetch_rows;          // of a CTA's run, its slices fetched into L2 before the wait
   bool x_bf16, scales_bf16;
   bool pdl;                   // launched with programmatic dependent launch (sm_90 and later)
 };

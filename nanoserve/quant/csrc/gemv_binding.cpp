@@ -2,8 +2,7 @@
 // checks the tensors' dtypes, shapes, alignment and devices; this takes their pointers. Errors
 // come back as strings, never as C++ exceptions. The stream is the caller's current one (a
 // graph's capture stream while capturing), passed as an integer; pdl: launched with programmatic
-// dependent launch (the caller checks for sm_90); prefetch: how much of its weights a CTA fetches
-// into L2 before its wait (AWQ: rows of its run; plain: bytes of each row's run). With one split the kernels read neither
+// dependent launch (the caller checks for sm_90). With one split the kernels read neither
 // partials nor counters (the caller may pass any tensor for them), nor the AWQ kernel x_order
 // unless `ordered`.
 #include <torch/extension.h>
@@ -24,8 +23,7 @@ std::string launched(const char* refused) {
 std::string awq_gemv(torch::Tensor x, torch::Tensor x_order, torch::Tensor qweight,
                      torch::Tensor qzeros, torch::Tensor scales, torch::Tensor y,
                      torch::Tensor partials, torch::Tensor counters, int64_t group,
-                     int64_t ordered, int64_t prefetch, int64_t splits, int64_t pdl,
-                     int64_t stream) {
+                     int64_t ordered, int64_t splits, int64_t pdl, int64_t stream) {
   AwqGemvParams p{};
   p.x = x.data_ptr();
   p.x_order = ordered ? static_cast<const int32_t*>(x_order.data_ptr()) : nullptr;
@@ -39,7 +37,6 @@ std::string awq_gemv(torch::Tensor x, torch::Tensor x_order, torch::Tensor qweig
   p.k = static_cast<int>(qweight.size(0));
   p.group = static_cast<int>(group);
   p.splits = static_cast<int>(splits);
-  p.prefetch_rows = static_cast<int>(prefetch);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
   p.scales_bf16 = scales.scalar_type() == torch::kBFloat16;
   p.pdl = pdl != 0;
@@ -48,8 +45,8 @@ std::string awq_gemv(torch::Tensor x, torch::Tensor x_order, torch::Tensor qweig
 
 std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
                      torch::Tensor scale_row, torch::Tensor y, torch::Tensor partials,
-                     torch::Tensor counters, int64_t scale_cols, int64_t prefetch,
-                     int64_t splits, int64_t pdl, int64_t stream) {
+                     torch::Tensor counters, int64_t scale_cols, int64_t splits, int64_t pdl,
+                     int64_t stream) {
   PlainGemvParams p{};
   p.x = x.data_ptr();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
@@ -64,15 +61,13 @@ std::string fp8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
   p.stride_s = static_cast<int>(scales.stride(0));
   p.scale_cols = static_cast<int>(std::min<int64_t>(scale_cols, 1 << 30));
   p.splits = static_cast<int>(splits);
-  p.prefetch_bytes = static_cast<int>(prefetch);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
   p.pdl = pdl != 0;
   return launched(plain_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 std::string half_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor y, torch::Tensor partials,
-                      torch::Tensor counters, int64_t prefetch, int64_t splits, int64_t pdl,
-                      int64_t stream) {
+                      torch::Tensor counters, int64_t splits, int64_t pdl, int64_t stream) {
   PlainGemvParams p{};
   p.x = x.data_ptr();
   p.w = static_cast<const uint8_t*>(w.data_ptr());
@@ -83,7 +78,6 @@ std::string half_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor y, torch::
   p.k = static_cast<int>(w.size(1));
   p.stride_w = static_cast<int>(w.stride(0) * w.element_size());
   p.splits = static_cast<int>(splits);
-  p.prefetch_bytes = static_cast<int>(prefetch);
   p.x_bf16 = x.scalar_type() == torch::kBFloat16;
   p.w_half = true;
   p.pdl = pdl != 0;

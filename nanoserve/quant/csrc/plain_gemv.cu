@@ -17,9 +17,9 @@
 // (tools/probes/gemv_stages.py). Two e4m3 become two halves in one cvt, then floats; 16-bit
 // weights are widened as x is; one FMA an input, e4m3's sums scaled once per lane and 128-input
 // step (blocks are whole steps). K split over gridDim.y CTAs, each a run of whole 128-input
-// steps: gemv_split.cuh. Launched with programmatic dependent launch (p.pdl), a warp fetches the
-// first p.prefetch_bytes of its rows' run into L2 before it waits for the kernel ahead of it (x
-// is that kernel's output).
+// steps: gemv_split.cuh. Launched with programmatic dependent launch (p.pdl), a warp fetches its
+// rows' first chunk into L2 before it waits for the kernel ahead of it (x is that kernel's
+// output).
 #include <type_traits>
 
 #include "gemv_split.cuh"
@@ -72,8 +72,10 @@ __global__ void __launch_bounds__(THREADS, 6) plain_gemv_kernel(PlainGemvParams 
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
     srow[r] = S != Scales::kNone && r < live_rows ? p.scale_row[n0 + r] * p.stride_s : 0;
-  one_row::prefetch_rows_l2(w - lane * 16, p.stride_w, live_rows,
-                            min(p.prefetch_bytes, run * W_BYTES), lane, 32);
+  // lane l: the line of quarter l % 4 of row l / 4's first chunk
+  if (lane / 4 < live_rows && (lane % 4) * 128 < run * W_BYTES)
+    one_row::prefetch_l2(w - lane * 16 + static_cast<size_t>(lane / 4) * p.stride_w +
+                         (lane % 4) * 128);
   one_row::pdl_wait();
   float acc[ROWS];
 #pragma unroll

@@ -18,7 +18,6 @@ struct PlainGemvParams {
   int n, k, stride_w, stride_s;
   int scale_cols;            // inputs a scale covers: a multiple of 128, or at least k
   int splits;                // CTAs K is split over (1 to k / 128), each whole 128-input steps
-  int prefetch_bytes;        // of each row's run, fetched into L2 before the wait (at least 16)
   bool x_bf16;
   bool w_half;               // weights in x's dtype, no scales
   bool pdl;                  // launched with programmatic dependent launch (sm_90 and later)
