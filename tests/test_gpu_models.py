@@ -129,6 +129,26 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
         assert err < 8e-3, (tiles, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 2048), (5, 2, 320), (8193, 8, 2048),
+                                                   (3, 1, 96), (70, 16, 64)])
+@torch.inference_mode()
+def test_moe_sum_over_slots_rounds_the_float32_sum_once(dtype, tokens, top_k, hidden):
+    """fused_moe.sum_slots (a token's k expert outputs summed) against the float64 sum: within
+    the result's rounding (half a unit in the last place of its dtype) plus float32's
+    accumulation of k terms; every row and column written (a partial last tile of tokens and
+    of columns)."""
+    from nanoserve.models import fused_moe
+    g = torch.Generator("cuda").manual_seed(tokens)
+    parts = torch.randn(tokens, top_k, hidden, device="cuda", generator=g).to(dtype)
+    got = fused_moe.sum_slots(parts)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    exact = parts.double().sum(dim=1)
+    half_ulp = torch.finfo(dtype).eps / 2
+    bound = half_ulp * exact.abs() + 2 * top_k * 2.0**-24 * parts.double().abs().sum(dim=1)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("top_k, experts, hidden, inter", [(8, 128, 2048, 768), (4, 16, 256, 128),
                                                            (2, 8, 128, 64), (1, 4, 64, 192),

@@ -5,7 +5,7 @@ over the stacked weights, each tile of rows belonging to one expert:
   expert's gate rows and up rows and writes silu(gate) * up, so the intermediate [pairs, I] is
   written once and the [pairs, 2I] one of the unfused path never exists;
 - down, with each pair's routing weight applied in its epilogue; the k weighted outputs of a
-  token are then summed (one reduction, in fp32, rounded once).
+  token are then summed (`sum_slots`: one kernel, in fp32, rounded once).
 One token (batch-1 decode) goes to models/cuda_moe.py's two CUDA kernels where they build and
 are not switched off (NANOSERVE_ONE_ROW_CUDA=0): no sort and no sum kernel. The router's softmax,
 top-k and renormalization run as one kernel too (`route`). No host
@@ -327,7 +327,35 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         inter, pairs, num_experts, k, mid.stride(0), down.stride(0), down.stride(1),
         out.stride(0), down_scales.stride(0), down_scales.stride(1), GATE_UP=False, **fp8,
         **meta)
-    return out.view(t, k, hidden).sum(dim=1)  # accumulated in fp32, rounded once
+    return sum_slots(out.view(t, k, hidden))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_slots_kernel(Parts, Out, T, H, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    # Out[t, h] = sum over s of Parts[t, s, h] (contiguous), in float32 in slot order
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    at = Parts + offs_t[:, None].to(tl.int64) * (K * H) + offs_h[None, :]
+    total = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    for s in tl.static_range(K):
+        total += tl.load(at + s * H, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + offs_t[:, None].to(tl.int64) * H + offs_h[None, :],
+             total.to(Out.dtype.element_ty), mask=ok)
+
+
+def sum_slots(parts: torch.Tensor) -> torch.Tensor:
+    """A token's k weighted expert outputs, parts [T, k, H] (contiguous), summed: [T, H] in
+    their dtype, accumulated in float32 in slot order and rounded once. torch's reduction over
+    the middle dimension took 109 us a layer at 8,192 tokens of Qwen3-30B-A3B on an H200 (0.3
+    GB: about 63 us at the copy rate)."""
+    t, k, h = parts.shape
+    out = torch.empty(t, h, dtype=parts.dtype, device=parts.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_slots_kernel[(triton.cdiv(t, 4), triton.cdiv(h, block_h))](
+        parts, out, t, h, K=k, BLOCK_T=4, BLOCK_H=block_h, num_warps=4)
+    return out
 
 
 ROUTE_TOKENS = 16  # tokens a program of the router kernel (fewer beyond 128 experts)
