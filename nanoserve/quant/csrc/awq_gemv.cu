@@ -31,7 +31,9 @@
 //
 // With x_order (act-order GPTQ run as AWQ: quant/formats.gptq_as_awq) a thread reads its x
 // through the order, gathered here rather than by a kernel of its own ahead of this one (one a
-// layer: about 0.9 ms of Qwen3-8B's 4.97 ms batch-1 step at 32K on an H200, session 32).
+// layer: about 0.9 ms of Qwen3-8B's 4.97 ms batch-1 step at 32K on an H200, session 32). The
+// order is a template argument: as a runtime branch in every load it cost plain AWQ about 0.25
+// ms of that step (4.23-4.29 ms against 4.01-4.05 before it, session 35).
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
 // divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
@@ -78,7 +80,7 @@ __device__ __forceinline__ uint32_t two_nibbles(uint32_t w, uint32_t magic) {
   return d;
 }
 
-template <typename XT, typename ST, int STEPS>
+template <typename XT, typename ST, int STEPS, bool ORDERED>
 __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqGemvParams p) {
   constexpr int GROUP = STEPS * ROW_SLOTS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
   const int k_begin = g_begin * GROUP;
   const uint32_t magic = 0x64006400u;  // two fp16 1024
   const XT* x = static_cast<const XT*>(p.x) + k_begin + slot;
-  const int32_t* order = p.x_order ? p.x_order + k_begin + slot : nullptr;  // x's k: order[row]
+  const int32_t* order = ORDERED ? p.x_order + k_begin + slot : nullptr;  // x's k: order[row]
   const uint32_t* w = p.qweight + static_cast<size_t>(k_begin + slot) * words + word0;
   float out[32];
 #pragma unroll
@@ -116,7 +118,10 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
     for (int s = 0; s < STEPS; ++s) {
       const size_t row = static_cast<size_t>(g0 + s * ROW_SLOTS);
       next[s] = live ? load_stream(w + row * words) : make_uint4(0, 0, 0, 0);
-      x_next[s] = order ? static_cast<const XT*>(p.x)[order[row]] : x[row];
+      if constexpr (ORDERED)
+        x_next[s] = static_cast<const XT*>(p.x)[order[row]];
+      else
+        x_next[s] = x[row];
     }
     if (live)
       next_z = *reinterpret_cast<const uint4*>(
@@ -196,13 +201,13 @@ __global__ void __launch_bounds__(THREADS, AWQ_CTAS_PER_SM) awq_gemv_kernel(AwqG
                                    static_cast<XT*>(p.y), p.partials, p.counters);
 }
 
-template <typename XT, typename ST>
+template <typename XT, typename ST, bool ORDERED>
 const char* launch_group(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
   void (*kernel)(AwqGemvParams) = nullptr;
   switch (p.group) {
-    case 32: kernel = awq_gemv_kernel<XT, ST, 32 / ROW_SLOTS>; break;
-    case 64: kernel = awq_gemv_kernel<XT, ST, 64 / ROW_SLOTS>; break;
-    case 128: kernel = awq_gemv_kernel<XT, ST, 128 / ROW_SLOTS>; break;
+    case 32: kernel = awq_gemv_kernel<XT, ST, 32 / ROW_SLOTS, ORDERED>; break;
+    case 64: kernel = awq_gemv_kernel<XT, ST, 64 / ROW_SLOTS, ORDERED>; break;
+    case 128: kernel = awq_gemv_kernel<XT, ST, 128 / ROW_SLOTS, ORDERED>; break;
     default: return "AWQ GEMV: group size must be 32, 64 or 128";
   }
   one_row::launch(kernel, grid, dim3(THREADS), stream, p.pdl, p);
@@ -211,8 +216,11 @@ const char* launch_group(const AwqGemvParams& p, dim3 grid, cudaStream_t stream)
 
 template <typename XT>
 const char* launch_scales(const AwqGemvParams& p, dim3 grid, cudaStream_t stream) {
-  return p.scales_bf16 ? launch_group<XT, __nv_bfloat16>(p, grid, stream)
-                       : launch_group<XT, __half>(p, grid, stream);
+  if (p.x_order)
+    return p.scales_bf16 ? launch_group<XT, __nv_bfloat16, true>(p, grid, stream)
+                         : launch_group<XT, __half, true>(p, grid, stream);
+  return p.scales_bf16 ? launch_group<XT, __nv_bfloat16, false>(p, grid, stream)
+                       : launch_group<XT, __half, false>(p, grid, stream);
 }
 
 }  // namespace
