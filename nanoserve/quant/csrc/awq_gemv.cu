@@ -32,8 +32,8 @@
 // With x_order (act-order GPTQ run as AWQ: quant/formats.gptq_as_awq) a thread reads its x
 // through the order, gathered here rather than by a kernel of its own ahead of this one (one a
 // layer: about 0.9 ms of Qwen3-8B's 4.97 ms batch-1 step at 32K on an H200, session 32). The
-// order is a template argument: as a runtime branch in every load it cost plain AWQ about 0.25
-// ms of that step (4.23-4.29 ms against 4.01-4.05 before it, session 35).
+// order is a template argument: as a runtime branch in every load it cost plain AWQ 0.18 ms of
+// that step (4.19-4.20 ms against 4.02, alternating on an H200, session 35).
 //
 // K is split over gridDim.y CTAs, each a run of whole groups (uneven where the splits do not
 // divide the groups), summed as gemv_split.cuh says. Launched with programmatic dependent
