@@ -227,7 +227,9 @@ for w in $what; do
         </dev/null &
       echo "=== started ${BG_STEPS:-onem} in the background" ;;
     follow)  # waits at most FOLLOW_S seconds (default 540) for `bg`'s job, then its log's tail
-             # and its files in OUT, finished or not
+             # and its files in OUT, finished or not. Keep FOLLOW_S under the call's limit: a
+             # call the device budget cuts short before follow prints brings nothing back
+             # (session 35 lost a whole tables run so)
       for _ in 1 2 3 4 5; do [ -f /tmp/bg/log ] && break; sleep 1; done  # `bg` just started it
       if [ ! -f /tmp/bg/log ]; then echo "=== no background job on this machine"; continue; fi
       end=$((SECONDS + ${FOLLOW_S:-540}))
