@@ -361,6 +361,7 @@ def run_mode(args, mode: str, input_len: int, batch: int, cfg: ModelConfig, ceil
     row = {
         "mode": mode, "input_len": input_len, "batch": batch, "tp": tp, "sampling": label,
         "async_scheduling": not args.sync_scheduling,
+        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
         **sampling_params, "kv_cache_dtype": args.kv_cache_dtype,
         "resident_layers": plan.resident_layers, "streamed_layers": plan.streamed_layers,
         "num_kv_buffers": kv.streamer.num_slots if kv.streamer is not None else 0,

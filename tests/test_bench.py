@@ -163,6 +163,35 @@ def test_a_tp_engine_prefills_once_untimed_before_the_timed_request(monkeypatch,
     assert (row["tp"], row["input_len"]) == (tp, 48) and row["ttft_s"] > 0
 
 
+def test_the_prefill_chunk_asked_for_reaches_the_engine_and_the_row(monkeypatch):
+    """--max-num-batched-tokens: the engine prefills a 48-token prompt in chunks of 16 (three
+    prefill steps before its first token) and the row records the chunk; the default is the
+    engine's."""
+    assert parse_args([]).max_num_batched_tokens == config_default("max_num_batched_tokens")
+    chunks = []
+    real = bench_offload.LLM
+
+    def spy(*args, **kw):
+        llm = real(*args, **kw)
+        schedule = llm.engine.scheduler.schedule
+
+        def recorded():
+            batch, dropped = schedule()
+            if batch is not None and batch.is_prefill:
+                chunks.append(sum(batch.num_new_tokens))
+            return batch, dropped
+
+        llm.engine.scheduler.schedule = recorded
+        return llm
+
+    monkeypatch.setattr(bench_offload, "LLM", spy)
+    args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "3",
+                       "--max-num-batched-tokens", "16"])
+    row = run_mode(args, "resident-eager", 48, 1, ModelConfig.from_dir(EMBEDDED_MODEL), CEIL)
+    assert row["max_num_batched_tokens"] == 16
+    assert chunks[-3:] == [16, 16, 16]
+
+
 @pytest.mark.parametrize("buffers", [2, 3])
 def test_offload_modes_run_with_the_ring_slots_asked_for(buffers):
     args = parse_args(["--model", "tiny-qwen3", "--input-len", "48", "--output-len", "3",
