@@ -400,7 +400,8 @@ for w in $what; do
       for m in "${models[@]}"; do
         for c in ${CHUNKS:-8192 16384 32768}; do
           run python3 bench_offload.py --model $m --output-len 4 --resident-graph \
-            --max-num-batched-tokens $c --out "$OUT/ttftchunk" 2>&1 | grep -v -E "(it|tok)/s\]" \
+            --max-num-batched-tokens $c --out "$OUT/ttftchunk/${m%% *}_$c" 2>&1 \
+            | grep -v -E "(it|tok)/s\]" \
             | tail -2 | sed "s/^/chunk $c /"
         done
       done ;;
