@@ -395,7 +395,8 @@ for w in $what; do
           | grep -v -E "(it|tok)/s\]" | tail -4
       done ;;
     ttftchunk)  # TTFT by prefill chunk (--max-num-batched-tokens, CHUNKS) on the TTFT targets:
-                # Qwen3-30B-A3B 32 x 4,096, Qwen3-8B-FP8 1 x 32K (TTFT_MODELS overrides)
+                # Qwen3-30B-A3B 32 x 4,096, Qwen3-8B-FP8 1 x 32K (TTFT_MODELS overrides; the
+                # first needs an H200: its batch of 32 does not fit an 80 GB card)
       IFS=';' read -ra models <<< "${TTFT_MODELS:-Qwen3-30B-A3B --input-len 4096 --batch-size 32;Qwen3-8B-FP8 --input-len 32768}"
       for m in "${models[@]}"; do
         for c in ${CHUNKS:-8192 16384 32768}; do
