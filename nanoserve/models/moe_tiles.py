@@ -80,10 +80,10 @@ def tiles_for(pairs: int, num_experts: int, hidden: int, inter: int,
     """The tuned tiles of the smallest band holding `pairs` on this GPU, else the defaults
     (with a warning, once, where this GPU has none for the shape)."""
     name, key = _device_name(device.index), config_key(num_experts, hidden, inter)
-    bands = _tuned(name).get(key)
+    bands = _tuned(name).get(key) or {}
     if not bands:
         _warn_untuned(name, key)
-    for limit in sorted(int(b) for b in bands or {}):
+    for limit in sorted(int(b) for b in bands):
         if pairs <= limit:
             return MoETiles(**bands[str(limit)])
     return default_tiles(pairs)
