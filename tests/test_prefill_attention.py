@@ -199,6 +199,20 @@ def test_paged_prefill_cpu_several_sequences_unaligned_prefixes(route):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+def test_paged_prefill_writes_into_out_and_returns_one_sequence_uncopied(route):
+    """Into the given rows of `out` (a mixed step's rows after its decode rows), the others
+    untouched, with the values of a fresh output; one sequence, no `out`: the same values."""
+    q, k, v, layer, ctx, _ = paged_case([5, 1, 9], [0, 13, 6], 8, 2, 16, 4, torch.float32,
+                                        "cpu", 3)
+    fresh = paged_prefill(q, k, v, layer, ctx)
+    buffer = torch.full((2 + q.shape[0], *q.shape[1:]), 7.0)
+    assert paged_prefill(q, k, v, layer, ctx, buffer[2:]).data_ptr() == buffer[2:].data_ptr()
+    assert torch.equal(buffer[2:], fresh) and (buffer[:2] == 7.0).all()
+    one = ForwardContext(True, ctx.slot_mapping[5:6], ctx.page_tables[1:2], query_lens=[1],
+                         prefix_lens=[13])
+    assert torch.equal(paged_prefill(q[5:6], k[5:6], v[5:6], layer, one), fresh[5:6])
+
+
 def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch):
     """The route follows SPLIT_MIN_WORK: the split route calls the LSE kernel twice."""
     import nanoserve.attention.prefill as prefill
@@ -296,6 +310,31 @@ def test_paged_prefill_cuda_bf16_several_sequences(route):
         err = (out[start:start + len(fq)].double() - reference(fq, fk, fv, p, layer.scale))
         assert err.abs().max().item() <= 2 * sdpa_error(fq, fk, fv, p, layer.scale) + 1e-3
         start += len(fq)
+
+
+@gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_triton_mixed_step_equals_its_parts_concatenated(varlen):
+    """The default backend's mixed step writes its decode rows and its chunks into one output:
+    bit-equal to the two parts computed apart and concatenated (the base backend's way)."""
+    from nanoserve.attention.triton_backend import TritonBackend
+
+    lens, prefixes = ([1, 1, 300, 77], [500, 33, 256, 700]) if not varlen else \
+        ([1, 1, 300, 77], [500, 33, 0, 0])
+    q, k, v, layer, ctx, _ = paged_case(lens, prefixes, 32, 8, 128, 256, torch.bfloat16,
+                                        "cuda", 4)
+    lengths = torch.tensor([prefixes[0] + 1, prefixes[1] + 1], dtype=torch.int32, device="cuda")
+    decode = ForwardContext(False, ctx.slot_mapping[:2], ctx.page_tables[:2],
+                            context_lens=lengths)
+    prefill = ForwardContext(True, ctx.slot_mapping[2:], ctx.page_tables[2:],
+                             query_lens=lens[2:], prefix_lens=prefixes[2:])
+    backend = TritonBackend()
+    backend.configure(8, 4096)
+    for part in (decode, prefill):
+        backend.prepare(part)
+    parts = torch.cat([backend.decode(q[:2], layer, decode),
+                       backend.prefill(q[2:], k[2:], v[2:], layer, prefill)])
+    assert torch.equal(backend.mixed(q, k, v, layer, decode, prefill), parts)
 
 
 @gpu

@@ -68,15 +68,19 @@ class AttentionBackend(ABC):
         if ctx.is_prefill and layer.k_cache.dtype != k.dtype:
             k, v = read_kv(layer, ctx.slot_mapping, k.dtype)
         if ctx.parts is not None:
-            decode, prefill = ctx.parts
-            n = decode.slot_mapping.shape[0]
-            return torch.cat([self.decode(q[:n], layer, decode),
-                              self.prefill(q[n:], k[n:], v[n:], layer, prefill)])
+            return self.mixed(q, k, v, layer, *ctx.parts)
         if ctx.is_prefill:
             return self.prefill(q, k, v, layer, ctx)
         if ctx.cpu_share is not None and layer.host_layer is not None:
             return self.split_decode(q, layer, ctx)
         return self.decode(q, layer, ctx)
+
+    def mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
+              decode: ForwardContext, prefill: ForwardContext) -> torch.Tensor:
+        """A mixed step: its decode rows (the first ones) and its prefill chunks, one output."""
+        n = decode.slot_mapping.shape[0]
+        return torch.cat([self.decode(q[:n], layer, decode),
+                          self.prefill(q[n:], k[n:], v[n:], layer, prefill)])
 
     def split_decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         """Decode of a streamed layer whose rows' leading tokens the CPU attends from the host
