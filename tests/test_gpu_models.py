@@ -124,9 +124,14 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
                   moe_tiles.MoETiles(64, 128, 64, 8, 3),  # and the weights through TMA:
                   moe_tiles.MoETiles(128, 128, 64, 8, 4, True),
                   moe_tiles.MoETiles(16, 64, 128, 4, 3, True)}:
-        got = fused_moe.experts_fused(x, weights, ids, gate_up, down, tiles).double()
-        err = ((got - twin).norm() / twin.norm()).item()
+        got = fused_moe.experts_fused(x, weights, ids, gate_up, down, tiles)
+        err = ((got.double() - twin).norm() / twin.norm()).item()
         assert err < 8e-3, (tiles, err)
+        if tiles.tma:  # the intermediate in sorted order, down's rows through TMA: the same
+            # products in the same order
+            sorted_mid = fused_moe.experts_fused(x, weights, ids, gate_up, down,
+                                                 tiles._replace(sorted_mid=True))
+            assert torch.equal(sorted_mid, got), tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -286,7 +291,8 @@ def test_the_blocked_sort_equals_torchs_at_prefill_sizes(tokens, one_expert):
 def test_tma_tiles_past_the_edges_of_the_experts(inter):
     """Weights through TMA where the tiles overrun the experts: 192 or 96 intermediate rows in
     128-column tiles (gate's last tile reads into up's rows, up's past the expert: zeros),
-    200 inputs in 64-wide steps (a zero-filled tail), 60 experts. Within bf16 rounding of the
+    200 inputs in 64-wide steps (a zero-filled tail), 60 experts; and the sorted
+    intermediate's rows through TMA, 96 wide in 64-wide steps. Within bf16 rounding of the
     float64 twin, as the pointer loads are."""
     from nanoserve.models import fused_moe, moe_tiles
     experts, hidden, tokens = 60, 200, 300
@@ -299,10 +305,10 @@ def test_tma_tiles_past_the_edges_of_the_experts(inter):
     weights, ids = moe.route(x, router, 8, True)
     twin = moe_tiles.experts_tiled_reference(x.double(), weights.double(), ids,
                                              gate_up.double(), down.double(), 128)
-    for tma in (False, True):
-        tiles = moe_tiles.MoETiles(128, 128, 64, 8, 3, tma)
+    for tma, sorted_mid in ((False, False), (True, False), (True, True)):
+        tiles = moe_tiles.MoETiles(128, 128, 64, 8, 3, tma, sorted_mid)
         got = fused_moe.experts_fused(x, weights, ids, gate_up, down, tiles).double()
-        assert ((got - twin).norm() / twin.norm()).item() < 8e-3, tma
+        assert ((got - twin).norm() / twin.norm()).item() < 8e-3, tiles
 
 
 @pytest.mark.parametrize("block_m", [16, 128])

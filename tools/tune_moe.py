@@ -32,8 +32,10 @@ def candidates(pairs: int) -> list[moe_tiles.MoETiles]:
         grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [4], [3, 4, 5])
     elif pairs <= 4096:
         grid = itertools.product([16, 32, 64], [64, 128], [64, 128], [4, 8], [3, 4])
-    else:  # prefill: the tensor cores set the time; the weights through TMA or not
-        grid = itertools.product([64, 128], [64, 128], [32, 64], [4, 8], [3, 4], [False, True])
+    else:  # prefill: the tensor cores set the time; the weights through TMA or not, and
+        # with them the intermediate in sorted order (down's rows through TMA) or not
+        grid = (c + t for c in itertools.product([64, 128], [64, 128], [32, 64], [4, 8], [3, 4])
+                for t in ((False, False), (True, False), (True, True)))
     return [moe_tiles.MoETiles(*c) for c in grid]
 
 

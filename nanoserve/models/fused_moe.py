@@ -199,19 +199,22 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit(do_not_specialize=["P"])  # one compile for every pair count of a tile band
-def _moe_gemm_kernel(A, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
+def _moe_gemm_kernel(A, ADesc, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
                      N, K, P, E, TOP_K, stride_am, stride_be, stride_bn, stride_cm,
                      stride_se, stride_sn, scale_rows, scale_cols,
                      GATE_UP: tl.constexpr, FP8_B: tl.constexpr, B_TMA: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     SORTED_MID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """C[pair, n] for the rows of one tile (one expert) and BLOCK_N columns. GATE_UP: A is the
     tokens (row pair // TOP_K), B an expert's [2N, K] gate then up rows, C = silu(gate) * up,
     each rounded to C's dtype where torch's unfused path rounds. Else A is the intermediate
     (row pair), B an expert's [N, K] down rows, C = A B^T times the pair's routing weight.
     FP8_B: B is e4m3 with BScale [E, rows / scale_rows, K / scale_cols] its block scales; a K
     step lies within one block column (scale_cols % BLOCK_K == 0), its dot is scaled after.
-    B_TMA: B's tiles come through BDesc, a TMA descriptor of B [E, rows, K] (bf16 / fp16)."""
+    B_TMA: B's tiles come through BDesc, a TMA descriptor of B [E, rows, K] (bf16 / fp16).
+    SORTED_MID: the intermediate's rows are the sorted rows, not the pairs (padding rows
+    included, never stored): gate_up stores its tile's rows there, and down reads a tile's
+    rows as one box of ADesc, a TMA descriptor of A [rows, K]."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile, col = pid // tiles_n, pid % tiles_n
@@ -236,7 +239,10 @@ def _moe_gemm_kernel(A, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k
-        a = tl.load(a_at, mask=live[:, None] & k_ok[None, :], other=0.0)
+        if SORTED_MID and not GATE_UP:
+            a = ADesc.load([tile * BLOCK_M, k])
+        else:
+            a = tl.load(a_at, mask=live[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:
             b = BDesc.load([expert, col * BLOCK_N, k]).reshape(BLOCK_N, BLOCK_K).T
         else:
@@ -265,19 +271,22 @@ def _moe_gemm_kernel(A, B, BDesc, C, Weights, SortedPairs, TileExpert, BScale,
         out = silu * acc_up.to(C.dtype.element_ty)
     else:
         out = acc * tl.load(Weights + pair, mask=live, other=0.0).to(tl.float32)[:, None]
-    c_at = C + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    c_row = offs_m if SORTED_MID and GATE_UP else pair
+    c_at = C + c_row[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_at, out.to(C.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
 
 
 def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, tiles: MoETiles | None = None,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                  block: tuple[int, int] = (128, 128),
+                  down_tiles: MoETiles | None = None) -> torch.Tensor:
     """The experts' weighted sum for tokens x [T, H] routed to ids [T, k] with weights [T, k]:
     gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts). FP8 experts: e4m3 stacks
     with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
-    tiles (x is not quantized). One token in half precision, tiles not given: the CUDA
-    kernels of models/cuda_moe.py where they build and are not switched off."""
+    tiles (x is not quantized). `down_tiles`: down's own (block_m as `tiles`'), else
+    `tiles`. One token in half precision, tiles not given: the CUDA kernels of
+    models/cuda_moe.py where they build and are not switched off."""
     if tiles is None and ids.shape[0] == 1:
         from nanoserve.models import cuda_moe  # batch-1 decode: two kernels, no sort, no sum
         if cuda_moe.supports(x, weights, ids, gate_up, down, scales, block):
@@ -288,46 +297,80 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     pairs = t * k
     if tiles is None:
         tiles = tiles_for(pairs, num_experts, hidden, inter, x.device)
-    if x.dtype == torch.float32:  # the tiles are measured in bf16; float32's operands take
-        # twice the shared memory: half the K step, two stages (within sm86 / sm89's 99 KB)
-        tiles = tiles._replace(block_k=max(16, tiles.block_k // 2),
-                               num_stages=min(tiles.num_stages, 2))
-    if scales is not None:  # a K step within one scale block
-        step = tiles.block_k
-        while block[1] % step:
-            step //= 2
-        tiles = tiles._replace(block_k=step)
-    gate_up_scales, down_scales = scales if scales is not None else (gate_up, down)
-    fp8 = dict(FP8_B=scales is not None, scale_rows=block[0], scale_cols=block[1])
+    down_tiles = down_tiles or tiles
+    assert down_tiles.block_m == tiles.block_m, "one sort: one row tile"
     sorted_pairs, tile_expert = sort_pairs(ids, num_experts, tiles.block_m)
-    num_tiles = tile_expert.numel()
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     flat_weights = weights.reshape(-1).contiguous()
-    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    gate_up_scales, down_scales = scales if scales is not None else (gate_up, down)
+    gemm = _GemmLaunch(x.dtype, sorted_pairs, tile_expert, flat_weights, pairs, num_experts, k,
+                       scales is not None, block)
+    gate_up_tiles, down_tiles = gemm.adapt(tiles), gemm.adapt(down_tiles)
+    # the intermediate in sorted order (down reads its tiles through TMA) where down's weights
+    # come through TMA
+    sorted_mid = down_tiles.sorted_mid and gemm.tma(down_tiles, hidden, inter, gate_up, down)
+    mid = torch.empty(sorted_pairs.numel() if sorted_mid else pairs, inter, dtype=x.dtype,
+                      device=x.device)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    # float32 in full precision (tests, references), not tf32
-    # TMA: half precision, rows of whole 16-byte units from 16-byte aligned stacks (else the
-    # descriptor refuses them: the pointer loads run instead)
-    tma = tiles.tma and scales is None and x.dtype in (torch.bfloat16, torch.float16) and \
-        hidden % 8 == 0 and inter % 8 == 0 and \
-        all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
-    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages, B_TMA=tma,
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    box = [1, tiles.block_n, tiles.block_k]
-    gate_up_desc, down_desc = (TensorDescriptor(w, list(w.shape), list(w.stride()), box)
-                               if tma else w for w in (gate_up, down))  # else never read
-    _moe_gemm_kernel[(num_tiles * triton.cdiv(inter, tiles.block_n),)](
-        x, gate_up, gate_up_desc, mid, flat_weights, sorted_pairs, tile_expert, gate_up_scales,
-        inter, hidden, pairs, num_experts, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        mid.stride(0), gate_up_scales.stride(0), gate_up_scales.stride(1), GATE_UP=True, **fp8,
-        **meta)
-    _moe_gemm_kernel[(num_tiles * triton.cdiv(hidden, tiles.block_n),)](
-        mid, down, down_desc, out, flat_weights, sorted_pairs, tile_expert, down_scales, hidden,
-        inter, pairs, num_experts, k, mid.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), down_scales.stride(0), down_scales.stride(1), GATE_UP=False, **fp8,
-        **meta)
+    gemm.run(x, gate_up, gate_up_scales, mid, inter, hidden, gate_up_tiles, True, sorted_mid,
+             gemm.tma(gate_up_tiles, hidden, inter, gate_up, down))
+    gemm.run(mid, down, down_scales, out, hidden, inter, down_tiles, False, sorted_mid,
+             gemm.tma(down_tiles, hidden, inter, gate_up, down))
     return sum_slots(out.view(t, k, hidden))
+
+
+class _GemmLaunch:
+    """What experts_fused's two grouped GEMMs share: the sorted layout, the routing weights,
+    the format."""
+
+    def __init__(self, dtype: torch.dtype, sorted_pairs: torch.Tensor, tile_expert: torch.Tensor,
+                 weights: torch.Tensor, pairs: int, num_experts: int, top_k: int, fp8: bool,
+                 block: tuple[int, int]) -> None:
+        self.dtype, self.sorted_pairs, self.tile_expert = dtype, sorted_pairs, tile_expert
+        self.weights, self.pairs, self.num_experts, self.top_k = weights, pairs, num_experts, top_k
+        self.fp8, self.block = fp8, block
+
+    def adapt(self, tiles: MoETiles) -> MoETiles:
+        """The tiles for x's dtype and the weights' format: float32 (tiles measured in bf16;
+        its operands take twice the shared memory) half the K step, two stages (within sm86 /
+        sm89's 99 KB); FP8 a K step within one scale block."""
+        if self.dtype == torch.float32:
+            tiles = tiles._replace(block_k=max(16, tiles.block_k // 2),
+                                   num_stages=min(tiles.num_stages, 2))
+        if self.fp8:
+            step = tiles.block_k
+            while self.block[1] % step:
+                step //= 2
+            tiles = tiles._replace(block_k=step)
+        return tiles
+
+    def tma(self, tiles: MoETiles, hidden: int, inter: int, gate_up: torch.Tensor,
+            down: torch.Tensor) -> bool:
+        """Whether the weights' tiles come through TMA: half precision, rows of whole 16-byte
+        units from 16-byte aligned stacks (else the descriptor refuses them: the pointer loads
+        run instead)."""
+        return tiles.tma and not self.fp8 and self.dtype in (torch.bfloat16, torch.float16) \
+            and hidden % 8 == 0 and inter % 8 == 0 and \
+            all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, c: torch.Tensor,
+            n: int, k: int, tiles: MoETiles, gate_up: bool, sorted_mid: bool, tma: bool) -> None:
+        """c = one of the two GEMMs over a's rows (gate_up: the tokens; down: the
+        intermediate) and the stacked weights b."""
+        b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()),
+                                  [1, tiles.block_n, tiles.block_k]) if tma else b
+        a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()),
+                                  [tiles.block_m, tiles.block_k]) \
+            if sorted_mid and not gate_up else a  # else never read
+        _moe_gemm_kernel[(self.tile_expert.numel() * triton.cdiv(n, tiles.block_n),)](
+            a, a_desc, b, b_desc, c, self.weights, self.sorted_pairs, self.tile_expert,
+            b_scales, n, k, self.pairs, self.num_experts, self.top_k, a.stride(0), b.stride(0),
+            b.stride(1), c.stride(0), b_scales.stride(0), b_scales.stride(1), GATE_UP=gate_up,
+            FP8_B=self.fp8, scale_rows=self.block[0], scale_cols=self.block[1], B_TMA=tma,
+            SORTED_MID=sorted_mid, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            # float32 in full precision (tests, references), not tf32
+            PRECISION="ieee" if self.dtype == torch.float32 else "tf32")
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -26,11 +26,23 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / median_ms(lambda: a @ a, reps=10) / 1e9
 
 
-def candidates(base: moe_tiles.MoETiles) -> list[moe_tiles.MoETiles]:
+def candidates(base: moe_tiles.MoETiles) -> dict[str, functools.partial]:
+    """The fused path's tile candidates, both GEMMs on one set; then down's own tiles beside
+    gate_up's base, the intermediate in sorted order (its rows through TMA)."""
     tiles = moe_tiles.MoETiles
-    return [base, base._replace(tma=True), tiles(128, 128, 64, 8, 4, True),
-            tiles(64, 128, 64, 4, 4, True), tiles(128, 64, 64, 8, 4, True),
-            tiles(64, 64, 64, 4, 4, True), tiles(128, 128, 32, 8, 5, True)]
+    both = [base, base._replace(tma=True), base._replace(tma=True, sorted_mid=True),
+            tiles(128, 128, 64, 8, 4, True), tiles(64, 128, 64, 4, 4, True),
+            tiles(64, 128, 64, 4, 4, True, True), tiles(128, 64, 64, 8, 4, True)]
+    rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
+            for c in both}
+    gate_up = base._replace(tma=True, sorted_mid=True)
+    m = gate_up.block_m
+    for down in (tiles(m, 128, 128, 8, 3, True, True), tiles(m, 256, 64, 8, 3, True, True),
+                 tiles(m, 128, 64, 8, 4, True, True), tiles(m, 128, 64, 4, 3, True, True),
+                 tiles(m, 64, 128, 4, 3, True, True), tiles(m, 256, 64, 8, 2, True, True)):
+        rows[f"down {tuple(down)}"] = functools.partial(fused_moe.experts_fused, tiles=gate_up,
+                                                        down_tiles=down)
+    return rows
 
 
 def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
@@ -64,8 +76,7 @@ def probe(t: int, ws: list[tuple[torch.Tensor, ...]], rate: float) -> None:
         split.update(gate_up=sum(gemms[0::2]) / (2 * LAYERS), down=sum(gemms[1::2]) / (2 * LAYERS))
         return sum(us for _, _, us in kernels) / 1e3 / (2 * LAYERS)
 
-    rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
-            for c in candidates(base)}
+    rows = candidates(base)
     if moe.fast_grouped_mm(xs[0].device, torch.bfloat16):
         rows["grouped (torch._grouped_mm)"] = moe.experts_grouped
     print(f"\n{t} tokens ({t * K} pairs), {flops / 1e9:.1f} GFLOP a layer")
