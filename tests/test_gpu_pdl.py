@@ -141,12 +141,13 @@ def test_a_pdl_gemv_waits_for_the_kernel_ahead_that_lets_it_start_early(writer, 
 @torch.inference_mode()
 def test_pdl_decode_attention_reads_the_newest_token_after_its_wait(writer, monkeypatch,
                                                                    length, splits):
-    """The split kernel reads its first KV tile before its PDL wait, but not the newest
-    token's row, which the kernel ahead (rope and the KV store) writes: ahead of it here a
-    kernel lets it start at once, spins, and only then writes that row's K and V. Eager 20
-    times and in a graph replayed 10 times, the output equals the one with the row written
-    before: with the newest token the first tile of its split (200 tokens in 4 splits, 64 in
-    one, written directly), and past it (1,000 in 2)."""
+    """The kernel ahead of decode attention (rope and the KV store) writes the newest token's
+    K and V: here a kernel ahead lets the split kernel start at once, spins, and only then
+    writes that row. Eager 20 times and in a graph replayed 10 times, the output equals the
+    one with the row written before: with the newest token the first tile of its split (200
+    tokens in 4 splits, 64 in one, written directly), and past it (1,000 in 2). (Session 36
+    read the rest of the first tile before the wait; TPOT went up, so nothing is read before
+    it.)"""
     from nanoserve.attention.triton_decode import TILES, paged_decode_attention
     from nanoserve.extensions import PDL_SWITCH
     dev, page, kv_heads, d = torch.device("cuda"), 256, 8, 128

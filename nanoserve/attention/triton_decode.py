@@ -150,100 +150,6 @@ def _per_token(x, TRANSPOSED: tl.constexpr):
 _SPLIT_ARGS = ["num_splits", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"]
 
 
-@triton.jit
-def _attend_tile(q, K, V, KDesc, VDesc, KScale, VScale, page_row, t, kvh, ctx_len, start,
-                 offs_n, offs_d, d_mask, m, l_sum, acc, scale, k_pre, v_pre,
-                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                 stride_sp, stride_st, stride_sh,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
-                 F16_DOT: tl.constexpr, TMA: tl.constexpr, IN_PAGE: tl.constexpr,
-                 TRANSPOSED: tl.constexpr, PRE: tl.constexpr):
-    """KV tile t of the row folded into the running (m, l_sum, acc). PRE (IN_PAGE, unscaled):
-    the tile's K and V are k_pre and v_pre, read before the kernel's PDL wait, except for the
-    row's newest token, which the kernel ahead stores: its row is read here."""
-    TOKEN_AXIS: tl.constexpr = 0 if TRANSPOSED else 1
-    tok = t * BLOCK_N + offs_n
-    n_mask = (tok < ctx_len) & (tok >= start)
-    if TMA:  # the tile is one box of its page; rows past ctx_len are read, then masked
-        first = (t * BLOCK_N) % PAGE_SIZE
-        page_id = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE)
-        k = KDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = VDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
-        if not SCALED:  # no NaN bytes into p.V (FP8's rows are zeroed after conversion)
-            v = tl.where(n_mask[:, None], v, tl.zeros_like(v))
-        page = tl.full([BLOCK_N], page_id, tl.int64)
-        slot = first + offs_n
-    elif IN_PAGE:  # one page id and one base address per tile; rows past ctx_len are
-        # read (the page holds them), then masked: K's scores, V's rows (see below)
-        first = (t * BLOCK_N) % PAGE_SIZE
-        page = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
-        slot = first + offs_n
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_at = K + page * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt \
-            + offs_d[None, :]
-        if PRE:
-            newest = (tok == ctx_len - 1)[:, None]
-            k = tl.where(newest, tl.load(k_at, mask=newest & d_mask[None, :], other=0.0),
-                         k_pre)
-        elif BLOCK_D == HEAD_DIM:
-            k = tl.load(k_at)
-        else:
-            k = tl.load(k_at, mask=d_mask[None, :], other=0.0)
-    else:
-        page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = tok % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt
-                    + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
-    if TRANSPOSED:
-        qk = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=PRECISION)
-    else:
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-    if SCALED:
-        scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
-        k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
-        qk = qk * _per_token(k_scale * scale, TRANSPOSED)
-    else:
-        qk = qk * scale
-    qk = tl.where(_per_token(n_mask, TRANSPOSED), qk, float("-inf"))
-    m_new = tl.maximum(m, tl.max(qk, TOKEN_AXIS))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(qk - _per_head(m_new, TRANSPOSED))
-    l_sum = l_sum * alpha + tl.sum(p, TOKEN_AXIS)
-    if PRE:
-        v_at = V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt \
-            + offs_d[None, :]
-        v = tl.where(newest, tl.load(v_at, mask=newest & d_mask[None, :], other=0.0), v_pre)
-    elif IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
-        v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
-                    + offs_d[None, :])
-    elif IN_PAGE:  # masked: their bytes may be NaNs
-        v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-    elif not TMA:
-        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                    + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
-        # Triton from moving the conversion after the shared-memory load (module docstring)
-        v = tl.where(n_mask[:, None], v.to(q.dtype), tl.zeros_like(v.to(q.dtype)))
-        # each token's V scale, folded into its column of the probabilities
-        v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
-        if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
-            v_max = tl.max(v_scale, 0)
-            p = p * _per_token(v_scale / v_max, TRANSPOSED)
-        else:
-            p = p * _per_token(v_scale, TRANSPOSED)
-    if TRANSPOSED:
-        pv = tl.dot(tl.trans(v.to(q.dtype)), p.to(q.dtype), input_precision=PRECISION)
-    else:
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-    if SCALED and F16_DOT:
-        pv = pv * v_max
-    return m_new, l_sum, acc * _per_head(alpha, TRANSPOSED) + pv
-
-
 @triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_pt"])
 def _decode_split_kernel(
     Q, K, V, KDesc, VDesc, KScale, VScale, PageTable, ContextLens, Starts, MidO, MidLse, scale,
@@ -260,13 +166,7 @@ def _decode_split_kernel(
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
     HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PDL, IN_PAGE and unscaled: the split's first tile is read before the wait for the kernel
-    # ahead (rope and the KV store, which writes q and each row's newest K and V): every other
-    # row of it was stored by earlier steps, and the step's inputs (lengths, page tables) were
-    # copied before its first kernel, which every later one started after (module docstring)
-    EARLY: tl.constexpr = IN_PAGE and not SCALED
-    if not EARLY:
-        pdl.start(PDL)
+    pdl.start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -285,48 +185,93 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    page_row = PageTable + b.to(tl.int64) * stride_pt
-    if EARLY:  # the first tile's K and V, but its newest token's row (read after the wait)
-        has_work = tile_hi > tile_lo
-        page = tl.load(page_row + (tile_lo * BLOCK_N) // PAGE_SIZE, mask=has_work,
-                       other=0).to(tl.int64)
-        slot = (tile_lo * BLOCK_N) % PAGE_SIZE + offs_n
-        older = (has_work & (tile_lo * BLOCK_N + offs_n < ctx_len - 1))[:, None] & \
-            d_mask[None, :]
-        k_pre = tl.load(K + page * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt
-                        + offs_d[None, :], mask=older, other=0.0)
-        v_pre = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
-                        + offs_d[None, :], mask=older, other=0.0)
-        pdl.start(PDL)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if F16_DOT:
         q = q.to(tl.float16)
 
     # scores [G, N] and accumulator [G, D], or transposed [N, G] and [D, G] (module docstring)
+    TOKEN_AXIS: tl.constexpr = 0 if TRANSPOSED else 1
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     if TRANSPOSED:
         acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
     else:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    loop_lo = tile_lo
-    if EARLY:
-        if tile_hi > tile_lo:
-            m, l_sum, acc = _attend_tile(
-                q, K, V, KDesc, VDesc, KScale, VScale, page_row, tile_lo, kvh, ctx_len, start,
-                offs_n, offs_d, d_mask, m, l_sum, acc, scale, k_pre, v_pre,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                stride_sp, stride_st, stride_sh, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N,
-                PRECISION, SCALED, F16_DOT, TMA, IN_PAGE, TRANSPOSED, PRE=True)
-        loop_lo = tile_lo + 1
-    for t in range(loop_lo, tile_hi):
-        m, l_sum, acc = _attend_tile(
-            q, K, V, KDesc, VDesc, KScale, VScale, page_row, t, kvh, ctx_len, start,
-            offs_n, offs_d, d_mask, m, l_sum, acc, scale, 0, 0,
-            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            stride_sp, stride_st, stride_sh, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N,
-            PRECISION, SCALED, F16_DOT, TMA, IN_PAGE, TRANSPOSED, PRE=False)
+    page_row = PageTable + b.to(tl.int64) * stride_pt
+    for t in range(tile_lo, tile_hi):
+        tok = t * BLOCK_N + offs_n
+        n_mask = (tok < ctx_len) & (tok >= start)
+        if TMA:  # the tile is one box of its page; rows past ctx_len are read, then masked
+            first = (t * BLOCK_N) % PAGE_SIZE
+            page_id = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE)
+            k = KDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = VDesc.load([page_id, first, kvh, 0]).reshape(BLOCK_N, BLOCK_D)
+            if not SCALED:  # no NaN bytes into p.V (FP8's rows are zeroed after conversion)
+                v = tl.where(n_mask[:, None], v, tl.zeros_like(v))
+            page = tl.full([BLOCK_N], page_id, tl.int64)
+            slot = first + offs_n
+        elif IN_PAGE:  # one page id and one base address per tile; rows past ctx_len are
+            # read (the page holds them), then masked: K's scores, V's rows (see below)
+            first = (t * BLOCK_N) % PAGE_SIZE
+            page = tl.load(page_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            slot = first + offs_n
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_at = K + page * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt \
+                + offs_d[None, :]
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_at)
+            else:
+                k = tl.load(k_at, mask=d_mask[None, :], other=0.0)
+        else:
+            page = tl.load(page_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = tok % PAGE_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kt
+                        + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        # k.to(q.dtype): exact for e4m3; a no-op when the cache holds the model's dtype
+        if TRANSPOSED:
+            qk = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=PRECISION)
+        else:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if SCALED:
+            scale_at = page * stride_sp + slot * stride_st + kvh * stride_sh
+            k_scale = tl.load(KScale + scale_at, mask=n_mask, other=0.0)
+            qk = qk * _per_token(k_scale * scale, TRANSPOSED)
+        else:
+            qk = qk * scale
+        qk = tl.where(_per_token(n_mask, TRANSPOSED), qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, TOKEN_AXIS))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(qk - _per_head(m_new, TRANSPOSED))
+        l_sum = l_sum * alpha + tl.sum(p, TOKEN_AXIS)
+        if IN_PAGE and SCALED and BLOCK_D == HEAD_DIM:  # rows past ctx_len: zeroed below
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
+                        + offs_d[None, :])
+        elif IN_PAGE:  # masked: their bytes may be NaNs
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+        elif not TMA:
+            v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                        + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if SCALED:  # converted in registers, rows past ctx_len zeroed: the select keeps
+            # Triton from moving the conversion after the shared-memory load (module docstring)
+            v = tl.where(n_mask[:, None], v.to(q.dtype), tl.zeros_like(v.to(q.dtype)))
+            # each token's V scale, folded into its column of the probabilities
+            v_scale = tl.load(VScale + scale_at, mask=n_mask, other=0.0)
+            if F16_DOT:  # relative to the tile's largest: p * scale stays in float16's range
+                v_max = tl.max(v_scale, 0)
+                p = p * _per_token(v_scale / v_max, TRANSPOSED)
+            else:
+                p = p * _per_token(v_scale, TRANSPOSED)
+        if TRANSPOSED:
+            pv = tl.dot(tl.trans(v.to(q.dtype)), p.to(q.dtype), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        if SCALED and F16_DOT:
+            pv = pv * v_max
+        acc = acc * _per_head(alpha, TRANSPOSED) + pv
+        m = m_new
 
     has_work = tile_hi > tile_lo
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
