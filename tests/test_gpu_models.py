@@ -92,7 +92,7 @@ def test_cuda_runs_the_fused_path():
 @pytest.mark.parametrize("tokens", [1, 3, 16, 64, 129, 512])
 @pytest.mark.parametrize("case", ["empty experts", "one expert"])
 @torch.inference_mode()
-def test_fused_kernels_against_their_float64_twin(tokens, case):
+def test_fused_kernels_against_their_float64_twin(tokens, case, monkeypatch):
     """The Triton sort equals the torch one exactly (up to 128 tokens it runs as one program,
     beyond as three kernels over blocks of pairs); the fused kernels' bf16 result is within
     bf16 rounding of the float64 tile-by-tile twin on the same bf16 weights, at top-8 over 128
@@ -129,9 +129,15 @@ def test_fused_kernels_against_their_float64_twin(tokens, case):
         assert err < 8e-3, (tiles, err)
         if tiles.tma:  # the intermediate in sorted order, down's rows through TMA: the same
             # products in the same order
+            launched = []  # each GEMM's sorted_mid
+            run = fused_moe._GemmLaunch.run
+            monkeypatch.setattr(fused_moe._GemmLaunch, "run",
+                                lambda self, *a, seen=launched, real=run:
+                                seen.append(a[-2]) or real(self, *a))
             sorted_mid = fused_moe.experts_fused(x, weights, ids, gate_up, down,
                                                  tiles._replace(sorted_mid=True))
-            assert torch.equal(sorted_mid, got), tiles
+            monkeypatch.setattr(fused_moe._GemmLaunch, "run", run)
+            assert launched == [True, True] and torch.equal(sorted_mid, got), tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -199,7 +199,7 @@ def test_paged_prefill_cpu_several_sequences_unaligned_prefixes(route):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-def test_paged_prefill_writes_into_out_and_returns_one_sequence_uncopied(route):
+def test_paged_prefill_writes_into_out_and_returns_one_sequence_uncopied(route, monkeypatch):
     """Into the given rows of `out` (a mixed step's rows after its decode rows), the others
     untouched, with the values of a fresh output; one sequence, no `out`: the same values."""
     q, k, v, layer, ctx, _ = paged_case([5, 1, 9], [0, 13, 6], 8, 2, 16, 4, torch.float32,
@@ -211,6 +211,12 @@ def test_paged_prefill_writes_into_out_and_returns_one_sequence_uncopied(route):
     one = ForwardContext(True, ctx.slot_mapping[5:6], ctx.page_tables[1:2], query_lens=[1],
                          prefix_lens=[13])
     assert torch.equal(paged_prefill(q[5:6], k[5:6], v[5:6], layer, one), fresh[5:6])
+    import nanoserve.attention.prefill as prefill
+    computed = []
+    real = prefill._sequence_prefill
+    monkeypatch.setattr(prefill, "_sequence_prefill",
+                        lambda *a: computed.append(real(*a)) or computed[-1])
+    assert paged_prefill(q[5:6], k[5:6], v[5:6], layer, one) is computed[0]  # not copied
 
 
 def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch):
@@ -313,28 +319,41 @@ def test_paged_prefill_cuda_bf16_several_sequences(route):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [2, 70], ids=["2-decode-rows-merged", "70-rows-one-split"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_triton_mixed_step_equals_its_parts_concatenated(varlen):
-    """The default backend's mixed step writes its decode rows and its chunks into one output:
-    bit-equal to the two parts computed apart and concatenated (the base backend's way)."""
+def test_triton_mixed_step_equals_its_parts_concatenated(varlen, rows):
+    """The default backend's mixed step writes its decode rows and its chunks into their rows
+    of one output (each part handed its slice: no concatenation after): bit-equal to the two
+    parts computed apart and concatenated (the base backend's way), with decode's splits
+    merged (2 rows) and written directly (70 rows: one split), paged and varlen chunks."""
     from nanoserve.attention.triton_backend import TritonBackend
 
-    lens, prefixes = ([1, 1, 300, 77], [500, 33, 256, 700]) if not varlen else \
-        ([1, 1, 300, 77], [500, 33, 0, 0])
+    g = torch.Generator().manual_seed(rows)
+    prefixes = torch.randint(20, 600, (rows,), generator=g).tolist() + \
+        ([0, 0] if varlen else [256, 700])
+    lens = [1] * rows + [300, 77]
     q, k, v, layer, ctx, _ = paged_case(lens, prefixes, 32, 8, 128, 256, torch.bfloat16,
                                         "cuda", 4)
-    lengths = torch.tensor([prefixes[0] + 1, prefixes[1] + 1], dtype=torch.int32, device="cuda")
-    decode = ForwardContext(False, ctx.slot_mapping[:2], ctx.page_tables[:2],
+    lengths = torch.tensor([p + 1 for p in prefixes[:rows]], dtype=torch.int32, device="cuda")
+    decode = ForwardContext(False, ctx.slot_mapping[:rows], ctx.page_tables[:rows],
                             context_lens=lengths)
-    prefill = ForwardContext(True, ctx.slot_mapping[2:], ctx.page_tables[2:],
-                             query_lens=lens[2:], prefix_lens=prefixes[2:])
+    prefill = ForwardContext(True, ctx.slot_mapping[rows:], ctx.page_tables[rows:],
+                             query_lens=lens[rows:], prefix_lens=prefixes[rows:])
     backend = TritonBackend()
     backend.configure(8, 4096)
     for part in (decode, prefill):
         backend.prepare(part)
-    parts = torch.cat([backend.decode(q[:2], layer, decode),
-                       backend.prefill(q[2:], k[2:], v[2:], layer, prefill)])
-    assert torch.equal(backend.mixed(q, k, v, layer, decode, prefill), parts)
+    parts = torch.cat([backend.decode(q[:rows], layer, decode),
+                       backend.prefill(q[rows:], k[rows:], v[rows:], layer, prefill)])
+    outs = {}
+    for name in ("decode", "prefill"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda *a, out, method=method, name=name:
+                outs.setdefault(name, out) is None or method(*a, out=out))
+    mixed = backend.mixed(q, k, v, layer, decode, prefill)
+    assert torch.equal(mixed, parts)
+    assert outs["decode"].data_ptr() == mixed.data_ptr()
+    assert outs["prefill"].data_ptr() == mixed[rows:].data_ptr()
 
 
 @gpu

@@ -176,7 +176,7 @@ def quant_cases():
 def moe_cases():
     """The fused MoE kernels at Qwen3-30B-A3B's widths: the one-program and blocked sorts, the
     grouped GEMMs (on the CPU the sort runs as torch ops) in bf16 and in float32's full
-    precision, their weights through TMA too."""
+    precision, their weights through TMA too, and the intermediate in sorted order."""
     from nanoserve.models import fused_moe
     from nanoserve.models.moe_tiles import MoETiles, padded_sizes
 
@@ -197,7 +197,8 @@ def moe_cases():
     for dtype, tiles in itertools.product((torch.bfloat16, torch.float32),
                                           (MoETiles(16, 32, 128, 4, 4),
                                            MoETiles(128, 128, 64, 8, 3),
-                                           MoETiles(128, 128, 64, 8, 3, True))):
+                                           MoETiles(128, 128, 64, 8, 3, True),
+                                           MoETiles(128, 128, 64, 8, 3, True, True))):
         yield f"fused MoE experts, {dtype}, {tuple(tiles)}", \
             lambda dtype=dtype, tiles=tiles: fused_moe.experts_fused(
                 torch.zeros(4, hidden, dtype=dtype), torch.ones(4, k, dtype=dtype), ids,

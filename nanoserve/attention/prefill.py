@@ -250,7 +250,7 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
         return _sequence_prefill(q, k, v, layer, ctx, 0)
     out = torch.empty_like(q) if out is None else out
     start = 0
-    for i, qlen in enumerate(ctx.query_lens):
+    for i, (qlen, _) in enumerate(zip(ctx.query_lens, ctx.prefix_lens, strict=True)):
         end = start + qlen
         out[start:end] = _sequence_prefill(q[start:end], k[start:end], v[start:end], layer,
                                            ctx, i)

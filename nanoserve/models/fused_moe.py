@@ -285,8 +285,9 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate_up [E, 2I, H] and down [E, H, I] stacked (moe.Experts). FP8 experts: e4m3 stacks
     with `scales` (gate_up's, down's) one per `block` (rows, columns), dequantized in the
     tiles (x is not quantized). `down_tiles`: down's own (block_m as `tiles`'), else
-    `tiles`. One token in half precision, tiles not given: the CUDA kernels of
-    models/cuda_moe.py where they build and are not switched off."""
+    `tiles`; down's tiles say whether the intermediate is in sorted order (sorted_mid, where
+    down's weights come through TMA). One token in half precision, tiles not given: the CUDA
+    kernels of models/cuda_moe.py where they build and are not switched off."""
     if tiles is None and ids.shape[0] == 1:
         from nanoserve.models import cuda_moe  # batch-1 decode: two kernels, no sort, no sum
         if cuda_moe.supports(x, weights, ids, gate_up, down, scales, block):

@@ -1,5 +1,6 @@
 """The MoE layer at prefill sizes (issue 35's TTFT rows): the fused path's tiles, with and without
-TMA for the experts' weights, against torch's grouped GEMM (CUTLASS), at Qwen3-30B-A3B's widths,
+TMA for the experts' weights and with the intermediate in sorted order or not (down's own tiles
+beside gate_up's too), against torch's grouped GEMM (CUTLASS), at Qwen3-30B-A3B's widths,
 in TFLOP/s of the experts' matmuls against the bf16 matmul rate measured in the same run. The
 sort and the sum over k are timed alone too. Eager, median of repeats, three layers' weights in
 turn. Usage (GPU):
@@ -30,7 +31,8 @@ def candidates(base: moe_tiles.MoETiles) -> dict[str, functools.partial]:
     """The fused path's tile candidates, both GEMMs on one set; then down's own tiles beside
     gate_up's base, the intermediate in sorted order (its rows through TMA)."""
     tiles = moe_tiles.MoETiles
-    both = [base, base._replace(tma=True), base._replace(tma=True, sorted_mid=True),
+    both = [base, base._replace(tma=False, sorted_mid=False),
+            base._replace(tma=True, sorted_mid=False), base._replace(tma=True, sorted_mid=True),
             tiles(128, 128, 64, 8, 4, True), tiles(64, 128, 64, 4, 4, True),
             tiles(64, 128, 64, 4, 4, True, True), tiles(128, 64, 64, 8, 4, True)]
     rows = {f"fused {tuple(c)}": functools.partial(fused_moe.experts_fused, tiles=c)
