@@ -307,16 +307,21 @@ def experts_fused(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gemm = _GemmLaunch(x.dtype, sorted_pairs, tile_expert, flat_weights, pairs, num_experts, k,
                        scales is not None, block)
     gate_up_tiles, down_tiles = gemm.adapt(tiles), gemm.adapt(down_tiles)
+    # TMA: half precision, rows of whole 16-byte units from 16-byte aligned stacks (else the
+    # descriptor refuses them: the pointer loads run instead)
+    tma = scales is None and x.dtype in (torch.bfloat16, torch.float16) and \
+        hidden % 8 == 0 and inter % 8 == 0 and \
+        all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
     # the intermediate in sorted order (down reads its tiles through TMA) where down's weights
     # come through TMA
-    sorted_mid = down_tiles.sorted_mid and gemm.tma(down_tiles, hidden, inter, gate_up, down)
+    sorted_mid = down_tiles.sorted_mid and down_tiles.tma and tma
     mid = torch.empty(sorted_pairs.numel() if sorted_mid else pairs, inter, dtype=x.dtype,
                       device=x.device)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     gemm.run(x, gate_up, gate_up_scales, mid, inter, hidden, gate_up_tiles, True, sorted_mid,
-             gemm.tma(gate_up_tiles, hidden, inter, gate_up, down))
+             gate_up_tiles.tma and tma)
     gemm.run(mid, down, down_scales, out, hidden, inter, down_tiles, False, sorted_mid,
-             gemm.tma(down_tiles, hidden, inter, gate_up, down))
+             down_tiles.tma and tma)
     return sum_slots(out.view(t, k, hidden))
 
 
@@ -345,19 +350,10 @@ class _GemmLaunch:
             tiles = tiles._replace(block_k=step)
         return tiles
 
-    def tma(self, tiles: MoETiles, hidden: int, inter: int, gate_up: torch.Tensor,
-            down: torch.Tensor) -> bool:
-        """Whether the weights' tiles come through TMA: half precision, rows of whole 16-byte
-        units from 16-byte aligned stacks (else the descriptor refuses them: the pointer loads
-        run instead)."""
-        return tiles.tma and not self.fp8 and self.dtype in (torch.bfloat16, torch.float16) \
-            and hidden % 8 == 0 and inter % 8 == 0 and \
-            all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
-
     def run(self, a: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, c: torch.Tensor,
             n: int, k: int, tiles: MoETiles, gate_up: bool, sorted_mid: bool, tma: bool) -> None:
         """c = one of the two GEMMs over a's rows (gate_up: the tokens; down: the
-        intermediate) and the stacked weights b."""
+        intermediate) and the stacked weights b, b's tiles through TMA where `tma`."""
         b_desc = TensorDescriptor(b, list(b.shape), list(b.stride()),
                                   [1, tiles.block_n, tiles.block_k]) if tma else b
         a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()),
