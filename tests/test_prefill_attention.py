@@ -219,6 +219,31 @@ def test_paged_prefill_writes_into_out_and_returns_one_sequence_uncopied(route, 
     assert paged_prefill(q[5:6], k[5:6], v[5:6], layer, one) is computed[0]  # not copied
 
 
+def test_torch_mixed_step_hands_each_part_its_rows_of_one_output():
+    """The CPU's backend takes the same mixed step: decode rows and chunks written into their
+    rows of one output, equal to the parts computed apart and concatenated."""
+    from nanoserve.attention.torch_backend import TorchBackend
+
+    lens, prefixes = [1, 1, 9, 4], [13, 6, 30, 0]
+    q, k, v, layer, ctx, _ = paged_case(lens, prefixes, 8, 2, 16, 4, torch.float32, "cpu", 5)
+    decode = ForwardContext(False, ctx.slot_mapping[:2], ctx.page_tables[:2],
+                            context_lens=torch.tensor([14, 7], dtype=torch.int32))
+    prefill = ForwardContext(True, ctx.slot_mapping[2:], ctx.page_tables[2:],
+                             query_lens=lens[2:], prefix_lens=prefixes[2:])
+    backend = TorchBackend()
+    parts = torch.cat([backend.decode(q[:2], layer, decode),
+                       backend.prefill(q[2:], k[2:], v[2:], layer, prefill)])
+    outs = {}
+    for name in ("decode", "prefill"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda *a, out, method=method, name=name:
+                outs.setdefault(name, out) is None or method(*a, out=out))
+    mixed = backend.mixed(q, k, v, layer, decode, prefill)
+    assert torch.equal(mixed, parts)
+    assert outs["decode"].data_ptr() == mixed.data_ptr()
+    assert outs["prefill"].data_ptr() == mixed[2:].data_ptr()
+
+
 def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch):
     """The route follows SPLIT_MIN_WORK: the split route calls the LSE kernel twice."""
     import nanoserve.attention.prefill as prefill
@@ -324,8 +349,8 @@ def test_paged_prefill_cuda_bf16_several_sequences(route):
 def test_triton_mixed_step_equals_its_parts_concatenated(varlen, rows):
     """The default backend's mixed step writes its decode rows and its chunks into their rows
     of one output (each part handed its slice: no concatenation after): bit-equal to the two
-    parts computed apart and concatenated (the base backend's way), with decode's splits
-    merged (2 rows) and written directly (70 rows: one split), paged and varlen chunks."""
+    parts computed apart and concatenated, with decode's splits merged (2 rows) and written
+    directly (70 rows: one split), paged and varlen chunks."""
     from nanoserve.attention.triton_backend import TritonBackend
 
     g = torch.Generator().manual_seed(rows)

@@ -77,10 +77,14 @@ class AttentionBackend(ABC):
 
     def mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
               decode: ForwardContext, prefill: ForwardContext) -> torch.Tensor:
-        """A mixed step: its decode rows (the first ones) and its prefill chunks, one output."""
+        """A mixed step: its decode rows (the first ones) and its prefill chunks, each written
+        into its rows of one output, not concatenated after (26 ms of copies in
+        Qwen3-30B-A3B's 32 x 4,096 prefill on an H200, session 35)."""
         n = decode.slot_mapping.shape[0]
-        return torch.cat([self.decode(q[:n], layer, decode),
-                          self.prefill(q[n:], k[n:], v[n:], layer, prefill)])
+        out = torch.empty_like(q)
+        self.decode(q[:n], layer, decode, out=out[:n])
+        self.prefill(q[n:], k[n:], v[n:], layer, prefill, out=out[n:])
+        return out
 
     def split_decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
         """Decode of a streamed layer whose rows' leading tokens the CPU attends from the host
@@ -112,10 +116,14 @@ class AttentionBackend(ABC):
         return q, k
 
     @abstractmethod
-    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor: ...
+    def prefill(self, q, k, v, layer, ctx: ForwardContext,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's chunks' attention, into `out` where given (and returned)."""
 
     @abstractmethod
-    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor: ...
+    def decode(self, q, layer, ctx: ForwardContext,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's rows' attention, into `out` where given (and returned)."""
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer, slot_mapping: torch.Tensor) -> None:

@@ -46,15 +46,18 @@ class FlashBackend(AttentionBackend):
                             progress):
         """flash-attn's prefill builds nothing per shape."""
 
-    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
+    def prefill(self, q, k, v, layer, ctx: ForwardContext, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         m = ctx.attn_meta
         cu_q, cu_k, max_q, max_k = m.cu_q, m.cu_k, m.max_q, m.max_k
-        return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, max_q, max_k,
-                                      softmax_scale=layer.scale, causal=True,
-                                      block_table=ctx.page_tables)
+        o = flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, max_q, max_k,
+                                   softmax_scale=layer.scale, causal=True,
+                                   block_table=ctx.page_tables)
+        return o if out is None else out.copy_(o)
 
-    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
+    def decode(self, q, layer, ctx: ForwardContext, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         o = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache,
                                     cache_seqlens=ctx.context_lens, block_table=ctx.page_tables,
-                                    softmax_scale=layer.scale, causal=True)
-        return o.squeeze(1)
+                                    softmax_scale=layer.scale, causal=True).squeeze(1)
+        return o if out is None else out.copy_(o)

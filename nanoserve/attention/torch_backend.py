@@ -14,11 +14,13 @@ from nanoserve.context import ForwardContext
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def prefill(self, q, k, v, layer, ctx: ForwardContext) -> torch.Tensor:
-        return paged_prefill(q, k, v, layer, ctx)
+    def prefill(self, q, k, v, layer, ctx: ForwardContext, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return paged_prefill(q, k, v, layer, ctx, out)
 
-    def decode(self, q, layer, ctx: ForwardContext) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def decode(self, q, layer, ctx: ForwardContext, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         lens = ctx.context_lens.tolist()
         for i, n in enumerate(lens):
             pages = ctx.page_tables[i]

@@ -71,19 +71,8 @@ class TritonBackend(AttentionBackend):
             None if norm is None else (norm[0].weight, norm[1].weight, norm[0].eps),
             layer.k_cache, layer.v_cache, slot_mapping, layer.k_scale, layer.v_scale)
 
-    def mixed(self, q, k, v, layer, decode: ForwardContext, prefill: ForwardContext
-              ) -> torch.Tensor:
-        """Each part written into its rows of one output, not concatenated after (26 ms of
-        copies in Qwen3-30B-A3B's 32 x 4,096 prefill on an H200, session 35)."""
-        n = decode.slot_mapping.shape[0]
-        out = torch.empty_like(q)
-        self.decode(q[:n], layer, decode, out=out[:n])
-        self.prefill(q[n:], k[n:], v[n:], layer, prefill, out=out[n:])
-        return out
-
     def prefill(self, q, k, v, layer, ctx: ForwardContext, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """Into `out` where given."""
         m = ctx.attn_meta
         if isinstance(m, VarlenPrefillMetadata) and q.dtype in (torch.bfloat16, torch.float16):
             o = varlen_prefill(q, k, v, m.cu_seqlens, m.max_len, layer.scale)
@@ -95,7 +84,6 @@ class TritonBackend(AttentionBackend):
 
     def decode(self, q, layer, ctx: ForwardContext, out: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """Into `out` where given."""
         return paged_decode_attention(q, layer.k_cache, layer.v_cache, ctx.page_tables,
                                       ctx.context_lens, layer.scale, ctx.attn_meta.num_splits,
                                       out=out, k_scale=layer.k_scale, v_scale=layer.v_scale)
