@@ -3,6 +3,7 @@ one warning naming the shape and the tuner; the shape the tuner takes from a mod
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -68,3 +69,24 @@ def test_the_tuners_shape_comes_from_the_models_config_per_gpu():
         moe_tiles.model_shape(cfg, 5)
     with pytest.raises(ValueError, match="no mixture-of-experts layers"):
         moe_tiles.model_shape(ModelConfig.from_dir(shipped_config_dir("Qwen3-8B")))
+
+
+@pytest.mark.parametrize("file", sorted(p.name for p in moe_tiles.CONFIG_DIR.glob("*.json")))
+def test_every_shipped_config_is_read_for_its_gpu_and_runs_its_bands(file, device_named, caplog):
+    """Each shipped file (a GPU's name, spaces as underscores) is the one its GPU reads: every
+    band of every shape comes back as that band's tiles, with no warning; pairs past the largest
+    band take the defaults."""
+    device = device_named(file.removesuffix(".json").replace("_", " "))
+    tuned = json.loads((moe_tiles.CONFIG_DIR / file).read_text())
+    assert tuned
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        for key, bands in tuned.items():
+            e, h, i = (int(part.split("=")[1]) for part in key.split(","))
+            assert moe_tiles.config_key(e, h, i) == key
+            for band, tiles in bands.items():
+                assert moe_tiles.tiles_for(int(band), e, h, i, device) == \
+                    moe_tiles.MoETiles(**tiles)
+            largest = max(int(b) for b in bands)
+            assert moe_tiles.tiles_for(largest + 1, e, h, i, device) == \
+                moe_tiles.default_tiles(largest + 1)
+    assert untuned_warnings(caplog) == []
