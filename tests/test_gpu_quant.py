@@ -418,3 +418,55 @@ def test_an_fp8_moe_model_on_the_gpu_gives_its_cpu_tokens(tmp_path):
     cpu = make_llm(tmp_path / "fp8")
     assert [o.token_ids for o in gpu.generate(prompts, params)] == \
         [o.token_ids for o in cpu.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [16, 64, 300])
+@torch.inference_mode()
+def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(dtype, rows):
+    """quantize_activations(..., silu=True) on rows [gate | up] against quantize_activations of
+    silu_and_mul's result: the intermediate rounds to x's dtype as torch rounds it, so the e4m3
+    bytes and scales agree but where Triton's exp moves it by a step of x's dtype (at most 1 in
+    1,000 bytes; each within one e4m3 step, scales within 2^-7), and rows past M (the cuBLAS
+    path's padding) are zeros with scale 1e-12 / 448."""
+    from nanoserve.models.layers import silu_and_mul
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    inter = 1536  # 12 groups of 128: GROUPS padded to 16
+    gate_up = (torch.randn(rows, 2 * inter, device="cuda", generator=gen) * 3).to(dtype)
+    padded = -(-rows // 16) * 16 + 16
+    got_q, got_s = tg.quantize_activations(gate_up, 128, rows=padded, silu=True)
+    ref_q, ref_s = tg.quantize_activations(silu_and_mul(gate_up), 128, rows=padded)
+    assert got_q.shape == (padded, inter) and got_s.shape == (padded, inter // 128)
+    assert ((got_s - ref_s).abs() <= 2**-7 * ref_s).all()
+    got = got_q.float() * got_s.repeat_interleave(128, 1)
+    ref = ref_q.float() * ref_s.repeat_interleave(128, 1)
+    step = 2**-3 * ref.abs() + 2**-9 * ref_s.repeat_interleave(128, 1)
+    assert ((got - ref).abs() <= step).all()
+    assert (got_q.view(torch.uint8) != ref_q.view(torch.uint8)).float().mean() <= 1e-3
+    assert (got_q[rows:].float() == 0).all()
+
+
+@pytest.mark.parametrize("rows", [8, 16, 64, 300])
+@torch.inference_mode()
+def test_an_fp8_mlp_runs_silu_inside_down_projections_quantization(source, tmp_path, rows,
+                                                                    monkeypatch):
+    """silu_mul_linear on an FP8 block-wise down projection: from WIDE_ROWS rows (16 and 64:
+    Triton's kernel; 300: cuBLAS's where it runs) no SiLU kernel runs (silu_and_mul is not
+    called) and the output is within 1e-3 (relative norm) of down(silu_and_mul(gate_up)); at 8
+    rows (x not quantized) silu_kernel_forward declines and silu_and_mul runs."""
+    from nanoserve.models import layers
+    quantize_checkpoint(source, tmp_path, "fp8_block")
+    llm = make_gpu_llm(tmp_path, dtype="bfloat16", max_model_len=1024)
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantizedLinear)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * down.in_features, device="cuda", generator=gen).bfloat16()
+    ref = down(layers.silu_and_mul(gate_up)).float()
+    called = []
+    real = layers.silu_and_mul
+    monkeypatch.setattr(layers, "silu_and_mul", lambda x: called.append(x.shape) or real(x))
+    got = layers.silu_mul_linear(down, gate_up).float()
+    assert bool(called) == (rows < 16)
+    assert (down.silu_kernel_forward(gate_up) is None) == (rows < 16)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-3

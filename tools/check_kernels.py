@@ -135,8 +135,8 @@ def cases():
 
 def quant_cases():
     """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with the weight widened (one
-    row), x quantized (16 and 128 rows) and float32 x, K split and not; the 4-bit formats'
-    GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
+    row), x quantized (16 and 128 rows; from [gate | up] too) and float32 x, K split and not;
+    the 4-bit formats' GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
     from nanoserve.quant.triton_gemm import (
         AWQ,
         FP8,
@@ -155,6 +155,8 @@ def quant_cases():
                         (16, torch.float32)):
         yield f"quantized GEMM, FP8 block-wise, {rows} rows {dtype}", lambda r=rows, d=dtype: \
             quant_gemm(torch.zeros(r, k, dtype=d), **fp8)
+    yield "quantized GEMM, FP8 block-wise, silu(gate) * up quantized, 16 rows", lambda: \
+        quant_gemm(torch.zeros(16, 2 * k, dtype=torch.bfloat16), **fp8, silu=True)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
                 scales=torch.ones(k // 128, n, dtype=torch.float16), n=n)
     formats = {"AWQ": dict(fmt=AWQ, w=torch.zeros(k, n // 8, dtype=torch.int32)),

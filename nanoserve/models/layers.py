@@ -12,6 +12,7 @@ from torch import nn
 from nanoserve.fused import fused
 from nanoserve.fused import is_enabled as fusion_enabled
 from nanoserve.models.rope import inv_freq_and_attention_factor
+from nanoserve.quant.linear import QuantizedLinear
 
 
 @fused
@@ -139,10 +140,16 @@ class Linear(nn.Linear):
 
 
 def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """linear(silu(gate) * up) for rows [gate | up]: one kernel where the skinny matmul runs."""
+    """linear(silu(gate) * up) for rows [gate | up]: one kernel where the skinny matmul runs;
+    an FP8 layer from 16 rows computes it in x's quantization pass
+    (QuantizedLinear.silu_kernel_forward)."""
     if isinstance(linear, Linear) and linear.skinny(gate_up, silu=True):
         from nanoserve.models import triton_linear
         return triton_linear.skinny_silu_linear(gate_up, linear.weight, linear.bias)
+    if isinstance(linear, QuantizedLinear):
+        y = linear.silu_kernel_forward(gate_up)
+        if y is not None:
+            return y
     return linear(silu_and_mul(gate_up))
 
 

@@ -164,6 +164,28 @@ class QuantizedLinear(nn.Module):
         y = triton_gemm.quant_gemm(x, n=self.out_features, **args)
         return y if self.bias is None else y + self.bias
 
+    def silu_kernel_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) for rows [gate | up] where an FP8 product quantizes its x (from
+        triton_gemm.WIDE_ROWS rows): silu(gate) * up computed in that quantization pass, so no
+        SiLU kernel runs ahead of it and its [rows, in_features] output is never written. None
+        elsewhere: the caller runs silu and then this layer."""
+        if not gate_up.is_cuda or self.input_order is not None:
+            return None
+        try:
+            from nanoserve.quant import triton_gemm
+        except ImportError:  # a CUDA install without Triton: the reference path
+            return None
+        x = gate_up.reshape(-1, gate_up.shape[-1])
+        args = self._kernel_args()
+        if args is None or args["fmt"] != triton_gemm.FP8 or \
+                not triton_gemm.silu_quantizes(x) or \
+                not triton_gemm.supports(x[:, :self.in_features], triton_gemm.FP8,
+                                         self.in_features, args["scale_cols"], 128):
+            return None
+        y = triton_gemm.quant_gemm(x, n=self.out_features, silu=True, **args)
+        y = y if self.bias is None else y + self.bias
+        return y.view(*gate_up.shape[:-1], self.out_features)
+
     def _kernel_args(self) -> dict | None:
         """The kernel's view of this layer's tensors, built once (per-output scale rows)."""
         first = self.shard_view(next(iter(self.specs[0])), 0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -160,15 +161,22 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
 
 @triton.jit
 def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
-                          GROUP: tl.constexpr, GROUPS: tl.constexpr):
+                          GROUP: tl.constexpr, GROUPS: tl.constexpr, SILU: tl.constexpr):
     # one row of x: e4m3 values and a scale per GROUP inputs (GROUPS: a power of two >= K /
     # GROUP), the scales stored group-major (XScale [K / GROUP, rows], as cuBLAS takes them);
-    # rows from M on (padding) are zeros
+    # rows from M on (padding) are zeros. SILU: the row is [gate | up] (2K inputs) and x is
+    # silu(gate) * up, each rounded to x's dtype as torch's silu and product round them
     m = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < K
-    x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0).to(tl.float32)
+    x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0)
+    if SILU:
+        up = tl.load(X + m * stride_xm + K + offs, mask=ok & (m < M), other=0.0)
+        gate = x.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(XQ + m * stride_qm + offs, xq.to(XQ.dtype.element_ty), mask=ok)
@@ -361,6 +369,12 @@ def supports(x: torch.Tensor, fmt: int, k: int, scale_cols: int, group: int) -> 
         block_k_for(k, step_limit(fmt, scale_cols, group), 16) is not None
 
 
+def silu_quantizes(x: torch.Tensor) -> bool:
+    """Whether FP8's product of rows x quantizes them first (from WIDE_ROWS rows, bf16 / fp16):
+    there quant_gemm's `silu` costs no kernel of its own."""
+    return x.dtype != torch.float32 and x.shape[0] >= WIDE_ROWS
+
+
 def cublas_block_scaled(device: torch.device, k: int) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm, x 1 x 128, w 128 x 128) runs
     here, right: Hopper (where it is measured), and K / 128 a multiple of 4: cuBLAS reads the
@@ -375,18 +389,22 @@ def activation_group(k: int, scale_cols: int) -> int | None:
     return block_k_for(k, step_limit(FP8, scale_cols, 0), FP8_GROUP, least=32)
 
 
-def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
+                         silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [rows, K], float32 scales [rows, K / group] stored group-major): each
     row's groups of `group` inputs over their largest magnitude / 448
-    (fp8_activations_reference is its torch twin); rows past M (`rows`, default M) zeros."""
+    (fp8_activations_reference is its torch twin); rows past M (`rows`, default M) zeros.
+    `silu`: x is [M, 2K], rows [gate | up], and silu(gate) * up is quantized (as torch rounds
+    it to x's dtype), never written out."""
     m, k = x.shape
+    if silu:
+        k //= 2
     rows = rows or m
     xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
     groups = triton.next_power_of_2(k // group)
     _quantize_rows_kernel[(rows,)](x, xq, scales, m, k, x.stride(0), xq.stride(0),
-                                   scales.stride(0), GROUP=group, GROUPS=groups,
+                                   scales.stride(0), GROUP=group, GROUPS=groups, SILU=silu,
                                    num_warps=8 if groups > 32 else 4)
     return xq, scales.t()
 
@@ -405,9 +423,11 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
                scale_row: torch.Tensor | None = None, scale_cols: int = 1 << 30,
                zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
                group: int = 128, zero_offset: int = 0, cublas_blocks: bool = False,
-               tiles: QuantTiles | None = None) -> torch.Tensor:
+               tiles: QuantTiles | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
-    dtype. FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
+    dtype. `silu` (FP8): x is [M, 2K], rows [gate | up], and the product is silu(gate) * up's:
+    computed inside x's quantization pass where x is quantized (`silu_quantizes`).
+    FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
     each output's row of it; bf16 / fp16 x from WIDE_ROWS rows quantized per
     `activation_group` inputs (below them the weight widened to x's dtype); with
     `cublas_blocks` (scales [n / 128, K / 128], one per 128 x 128 block; K at least 512: at
@@ -416,9 +436,11 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
     scales [K / group, n]. GPTQ: w [K / 8, n], zeros [groups, n / 8] (each plus zero_offset),
     scales [groups, n]; GPTQ_ACT_ORDER: g_idx [K] each input's group. See `supports`."""
     x = x.contiguous()
-    m, k = x.shape
     if fmt == FP8:
-        return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles)
+        return _fp8_gemm(x, w, scales, scale_row, scale_cols, n, cublas_blocks, tiles,
+                         silu=silu)
+    assert not silu, "silu(gate) * up: FP8 only"
+    m, k = x.shape
     gemv = m == 1 and fmt in (AWQ, GPTQ) and x.dtype != torch.float32
     tiles = tiles or tiles_for(m if gemv else max(m, 2), n, fmt, k=k, dtype=x.dtype)
     block_k = block_k_for(k, step_limit(fmt, scale_cols, group), tiles.block_k)
@@ -454,22 +476,28 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
 
 def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               scale_row: torch.Tensor | None, scale_cols: int, n: int, cublas_blocks: bool,
-              tiles: QuantTiles | None, quantize_x: bool | None = None) -> torch.Tensor:
-    m, k = x.shape
+              tiles: QuantTiles | None, quantize_x: bool | None = None,
+              silu: bool = False) -> torch.Tensor:
     dtype = x.dtype
-    block_k = activation_group(k, scale_cols)
-    assert block_k is not None, (k, scale_cols)
     fp8_x = quantize_x
     if fp8_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
-        fp8_x = dtype != torch.float32 and m >= WIDE_ROWS
+        fp8_x = silu_quantizes(x)
+    if silu and not fp8_x:  # nothing reads x before the GEMM: silu(gate) * up first
+        gate, up = x.chunk(2, dim=-1)
+        x, silu = F.silu(gate) * up, False
+    m, k = x.shape
+    if silu:
+        k //= 2
+    block_k = activation_group(k, scale_cols)
+    assert block_k is not None, (k, scale_cols)
     x_scale = scales
     if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
         # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
-        x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16)
+        x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16, silu=silu)
         return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
                                 out_dtype=dtype)[:m]
     if fp8_x:
-        x, x_scale = quantize_activations(x, block_k)
+        x, x_scale = quantize_activations(x, block_k, silu=silu)
     tiles = tiles or tiles_for(m, n, FP8, fp8_x)
     split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
     y = torch.empty(m, n, dtype=dtype, device=x.device)
