@@ -422,17 +422,19 @@ def test_an_fp8_moe_model_on_the_gpu_gives_its_cpu_tokens(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [16, 64, 300])
+@pytest.mark.parametrize("inter", [1536, 12288])
 @torch.inference_mode()
-def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(dtype, rows):
+def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(dtype, rows,
+                                                                                inter):
     """quantize_activations(..., silu=True) on rows [gate | up] against quantize_activations of
     silu_and_mul's result: the intermediate rounds to x's dtype as torch rounds it, so the e4m3
     bytes and scales agree but where Triton's exp moves it by a step of x's dtype (at most 1 in
     1,000 bytes; each within one e4m3 step, scales within 2^-7), and rows past M (the cuBLAS
-    path's padding) are zeros with scale 1e-12 / 448."""
+    path's padding) are zeros with scale 1e-12 / 448 (to 1e-6). Widths of 12 groups (4 warps a
+    row) and Qwen3-8B's 96 (8 warps)."""
     from nanoserve.models.layers import silu_and_mul
     from nanoserve.quant import triton_gemm as tg
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    inter = 1536  # 12 groups of 128: GROUPS padded to 16
     gate_up = (torch.randn(rows, 2 * inter, device="cuda", generator=gen) * 3).to(dtype)
     padded = -(-rows // 16) * 16 + 16
     got_q, got_s = tg.quantize_activations(gate_up, 128, rows=padded, silu=True)
@@ -445,6 +447,8 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
     assert ((got - ref).abs() <= step).all()
     assert (got_q.view(torch.uint8) != ref_q.view(torch.uint8)).float().mean() <= 1e-3
     assert (got_q[rows:].float() == 0).all()
+    # (Triton's float32 division is within 2 ulp, not IEEE-rounded)
+    assert ((got_s[rows:] / (1e-12 / 448.0) - 1).abs() <= 1e-6).all()
 
 
 @pytest.mark.parametrize("rows", [8, 16, 64, 300])
@@ -453,9 +457,11 @@ def test_an_fp8_mlp_runs_silu_inside_down_projections_quantization(source, tmp_p
                                                                     monkeypatch):
     """silu_mul_linear on an FP8 block-wise down projection: from WIDE_ROWS rows (16 and 64:
     Triton's kernel; 300: cuBLAS's where it runs) no SiLU kernel runs (silu_and_mul is not
-    called) and the output is within 1e-3 (relative norm) of down(silu_and_mul(gate_up)); at 8
-    rows (x not quantized) silu_kernel_forward declines and silu_and_mul runs."""
+    called, and x's quantization pass is the one that computes silu) and the output is within
+    1e-3 (relative norm) of down(silu_and_mul(gate_up)); at 8 rows (x not quantized)
+    silu_kernel_forward declines and silu_and_mul runs."""
     from nanoserve.models import layers
+    from nanoserve.quant import triton_gemm as tg
     quantize_checkpoint(source, tmp_path, "fp8_block")
     llm = make_gpu_llm(tmp_path, dtype="bfloat16", max_model_len=1024)
     down = llm.engine.runner.model.model.layers[0].mlp.down_proj
@@ -463,10 +469,14 @@ def test_an_fp8_mlp_runs_silu_inside_down_projections_quantization(source, tmp_p
     gen = torch.Generator(device="cuda").manual_seed(rows)
     gate_up = torch.randn(rows, 2 * down.in_features, device="cuda", generator=gen).bfloat16()
     ref = down(layers.silu_and_mul(gate_up)).float()
-    called = []
+    called, passes = [], []
     real = layers.silu_and_mul
     monkeypatch.setattr(layers, "silu_and_mul", lambda x: called.append(x.shape) or real(x))
+    real_pass = tg.quantize_activations
+    monkeypatch.setattr(tg, "quantize_activations", lambda *a, silu=False, **k: (
+        passes.append(silu), real_pass(*a, silu=silu, **k))[1])
     got = layers.silu_mul_linear(down, gate_up).float()
     assert bool(called) == (rows < 16)
+    assert passes == ([] if rows < 16 else [True])
     assert (down.silu_kernel_forward(gate_up) is None) == (rows < 16)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-3

@@ -71,12 +71,22 @@ def test_the_tuners_shape_comes_from_the_models_config_per_gpu():
         moe_tiles.model_shape(ModelConfig.from_dir(shipped_config_dir("Qwen3-8B")))
 
 
-@pytest.mark.parametrize("file", sorted(p.name for p in moe_tiles.CONFIG_DIR.glob("*.json")))
+# each shipped file and the name torch.cuda.get_device_name() gives its GPU
+SHIPPED = {"NVIDIA_H200.json": "NVIDIA H200", "NVIDIA_H100_80GB_HBM3.json": "NVIDIA H100 80GB HBM3"}
+
+
+def test_every_shipped_config_is_named_for_a_gpu():
+    assert sorted(p.name for p in moe_tiles.CONFIG_DIR.glob("*.json")) == sorted(SHIPPED)
+    assert all(moe_tiles.config_file(name) == file for file, name in SHIPPED.items())
+
+
+@pytest.mark.parametrize("file", sorted(SHIPPED))
 def test_every_shipped_config_is_read_for_its_gpu_and_runs_its_bands(file, device_named, caplog):
-    """Each shipped file (a GPU's name, spaces as underscores) is the one its GPU reads: every
-    band of every shape comes back as that band's tiles, with no warning; pairs past the largest
-    band take the defaults."""
-    device = device_named(file.removesuffix(".json").replace("_", " "))
+    """Each shipped file is the one its GPU (by the name torch gives it) reads: every band of
+    every shape comes back as that band's tiles, with no warning, each tile's K step dividing
+    the shape's hidden and intermediate sizes and the sorted intermediate only with TMA; pairs
+    past the largest band take the defaults."""
+    device = device_named(SHIPPED[file])
     tuned = json.loads((moe_tiles.CONFIG_DIR / file).read_text())
     assert tuned
     with caplog.at_level(logging.WARNING, logger="nanoserve"):
@@ -84,8 +94,10 @@ def test_every_shipped_config_is_read_for_its_gpu_and_runs_its_bands(file, devic
             e, h, i = (int(part.split("=")[1]) for part in key.split(","))
             assert moe_tiles.config_key(e, h, i) == key
             for band, tiles in bands.items():
-                assert moe_tiles.tiles_for(int(band), e, h, i, device) == \
-                    moe_tiles.MoETiles(**tiles)
+                got = moe_tiles.tiles_for(int(band), e, h, i, device)
+                assert got == moe_tiles.MoETiles(**tiles)
+                assert h % got.block_k == 0 and i % got.block_k == 0
+                assert got.tma or not got.sorted_mid
             largest = max(int(b) for b in bands)
             assert moe_tiles.tiles_for(largest + 1, e, h, i, device) == \
                 moe_tiles.default_tiles(largest + 1)

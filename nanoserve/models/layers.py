@@ -142,11 +142,11 @@ class Linear(nn.Linear):
 def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) * up) for rows [gate | up]: one kernel where the skinny matmul runs;
     an FP8 layer from 16 rows computes it in x's quantization pass
-    (QuantizedLinear.silu_kernel_forward)."""
+    (QuantizedLinear.silu_kernel_forward); with fusion off, silu_and_mul and then linear."""
     if isinstance(linear, Linear) and linear.skinny(gate_up, silu=True):
         from nanoserve.models import triton_linear
         return triton_linear.skinny_silu_linear(gate_up, linear.weight, linear.bias)
-    if isinstance(linear, QuantizedLinear):
+    if isinstance(linear, QuantizedLinear) and fusion_enabled():
         y = linear.silu_kernel_forward(gate_up)
         if y is not None:
             return y

@@ -177,8 +177,8 @@ class QuantizedLinear(nn.Module):
             return None
         x = gate_up.reshape(-1, gate_up.shape[-1])
         args = self._kernel_args()
-        if args is None or args["fmt"] != triton_gemm.FP8 or \
-                not triton_gemm.silu_quantizes(x) or \
+        if x.shape[1] != 2 * self.in_features or args is None or \
+                args["fmt"] != triton_gemm.FP8 or not triton_gemm.quantizes_x(x) or \
                 not triton_gemm.supports(x[:, :self.in_features], triton_gemm.FP8,
                                          self.in_features, args["scale_cols"], 128):
             return None

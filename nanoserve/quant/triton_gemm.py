@@ -369,9 +369,10 @@ def supports(x: torch.Tensor, fmt: int, k: int, scale_cols: int, group: int) -> 
         block_k_for(k, step_limit(fmt, scale_cols, group), 16) is not None
 
 
-def silu_quantizes(x: torch.Tensor) -> bool:
-    """Whether FP8's product of rows x quantizes them first (from WIDE_ROWS rows, bf16 / fp16):
-    there quant_gemm's `silu` costs no kernel of its own."""
+def quantizes_x(x: torch.Tensor) -> bool:
+    """Whether FP8's product of rows x quantizes them first (from WIDE_ROWS rows, bf16 / fp16;
+    below, the weight is widened to x's dtype): there quant_gemm's `silu` runs inside the
+    quantization pass, no kernel of its own."""
     return x.dtype != torch.float32 and x.shape[0] >= WIDE_ROWS
 
 
@@ -398,6 +399,7 @@ def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
     it to x's dtype), never written out."""
     m, k = x.shape
     if silu:
+        assert k % 2 == 0, "rows [gate | up] of an odd width"
         k //= 2
     rows = rows or m
     xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -426,7 +428,7 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
                tiles: QuantTiles | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) times one quantized weight of `n` outputs: y [M, n] in x's
     dtype. `silu` (FP8): x is [M, 2K], rows [gate | up], and the product is silu(gate) * up's:
-    computed inside x's quantization pass where x is quantized (`silu_quantizes`).
+    computed inside x's quantization pass where x is quantized (`quantizes_x`).
     FP8: w e4m3 [n, K]; scales a grid [rows, ceil(K / scale_cols)], scale_row int32 [n]
     each output's row of it; bf16 / fp16 x from WIDE_ROWS rows quantized per
     `activation_group` inputs (below them the weight widened to x's dtype); with
@@ -481,12 +483,13 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     dtype = x.dtype
     fp8_x = quantize_x
     if fp8_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
-        fp8_x = silu_quantizes(x)
+        fp8_x = quantizes_x(x)
     if silu and not fp8_x:  # nothing reads x before the GEMM: silu(gate) * up first
         gate, up = x.chunk(2, dim=-1)
         x, silu = F.silu(gate) * up, False
     m, k = x.shape
     if silu:
+        assert k % 2 == 0, "rows [gate | up] of an odd width"
         k //= 2
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
