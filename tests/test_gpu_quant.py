@@ -451,6 +451,23 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
     assert ((got_s[rows:] / (1e-12 / 448.0) - 1).abs() <= 1e-6).all()
 
 
+@pytest.mark.parametrize("silu", [False, True])
+@torch.inference_mode()
+def test_the_quantization_pass_gives_the_same_bytes_for_any_groups_a_program(silu):
+    """quantize_activations with 1-32 groups a program (the last chunk of a row cut short: 96
+    groups, and 12) equals the whole row a program, bit for bit, padding rows included."""
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(int(silu))
+    for width in (12288, 1536):
+        x = torch.randn(37, width * (2 if silu else 1), device="cuda", generator=gen).bfloat16()
+        ref_q, ref_s = tg.quantize_activations(x, 128, rows=48, silu=silu)
+        for per in (1, 2, 8, 32):
+            got_q, got_s = tg.quantize_activations(x, 128, rows=48, silu=silu,
+                                                   groups_per_program=per)
+            assert torch.equal(got_q.view(torch.uint8), ref_q.view(torch.uint8)), (width, per)
+            assert torch.equal(got_s, ref_s), (width, per)
+
+
 @pytest.mark.parametrize("rows", [8, 16, 64, 300])
 @torch.inference_mode()
 def test_an_fp8_mlp_runs_silu_inside_down_projections_quantization(source, tmp_path, rows,

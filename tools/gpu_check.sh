@@ -3,9 +3,9 @@
 # time on a changed Triton kernel, compile it here without a GPU: tools/check_kernels.py.
 # Usage (on the GPU machine, repo root):
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
-#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|ttftchunk|moetargets|quant|quantmodels]...
+#                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|ttftchunk|moetargets|quant|quantpass|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant; QUANTPASS_ARGS for quantpass;
 # MOE_BATCHES for moetargets; CHUNKS, TTFT_MODELS for ttftchunk; TUNEMOE_ARGS for tunemoe; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -369,6 +369,10 @@ for w in $what; do
       run python3 -m pytest -q -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
         | grep -v -E "(it|tok)/s\]" | tee "$OUT/pytest_quant.log" | grep -E "passed|failed|^E  " | tail -20
       run python3 tools/bench_quant.py ${QUANT_ARGS:---rows 1,16,64,4096} 2>&1 | tee "$OUT/bench_quant.log" ;;
+    quantpass)  # issue 36: FP8's activation quantization pass by the groups a program takes (a
+                # whole row a program holds it in registers: session 37)
+      run python3 tools/probes/quantize_pass.py ${QUANTPASS_ARGS:-} 2>&1 \
+        | tee "$OUT/quantize_pass.log" ;;
     quantmodels)  # issue 36's targets: Qwen3-8B bf16, FP8 and AWQ at 32K, batch 1; FP8 64 x 512;
                   # Qwen3-30B-A3B bf16 and FP8 at 4K (about 9 minutes on an H100: STEP_TIMEOUT)
       for m in ${QUANT_MODELS-Qwen3-8B Qwen3-8B-FP8 Qwen3-8B-AWQ}; do

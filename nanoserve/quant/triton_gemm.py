@@ -162,12 +162,13 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
 @triton.jit
 def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr, SILU: tl.constexpr):
-    # one row of x: e4m3 values and a scale per GROUP inputs (GROUPS: a power of two >= K /
-    # GROUP), the scales stored group-major (XScale [K / GROUP, rows], as cuBLAS takes them);
-    # rows from M on (padding) are zeros. SILU: the row is [gate | up] (2K inputs) and x is
-    # silu(gate) * up, each rounded to x's dtype as torch's silu and product round them
+    # program (m, c): row m's groups c * GROUPS .. (c + 1) * GROUPS - 1 (GROUPS a power of
+    # two), e4m3 values and a scale per GROUP inputs, the scales stored group-major (XScale
+    # [K / GROUP, rows], as cuBLAS takes them); rows from M on (padding) are zeros. SILU: the
+    # row is [gate | up] (2K inputs) and x is silu(gate) * up, each rounded to x's dtype as
+    # torch's silu and product round them
     m = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, GROUPS)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < K
     x = tl.load(X + m * stride_xm + offs, mask=ok & (m < M), other=0.0)
@@ -391,12 +392,16 @@ def activation_group(k: int, scale_cols: int) -> int | None:
 
 
 def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
-                         silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         silu: bool = False, groups_per_program: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [rows, K], float32 scales [rows, K / group] stored group-major): each
     row's groups of `group` inputs over their largest magnitude / 448
     (fp8_activations_reference is its torch twin); rows past M (`rows`, default M) zeros.
     `silu`: x is [M, 2K], rows [gate | up], and silu(gate) * up is quantized (as torch rounds
-    it to x's dtype), never written out."""
+    it to x's dtype), never written out. `groups_per_program` (a power of two): the groups a
+    program takes, by default a whole row's (its values in registers: at 12,288 inputs 254
+    registers a thread; tools/probes/quantize_pass.py times other counts). The result does not
+    depend on it."""
     m, k = x.shape
     if silu:
         assert k % 2 == 0, "rows [gate | up] of an odd width"
@@ -404,10 +409,12 @@ def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
     rows = rows or m
     xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
-    groups = triton.next_power_of_2(k // group)
-    _quantize_rows_kernel[(rows,)](x, xq, scales, m, k, x.stride(0), xq.stride(0),
-                                   scales.stride(0), GROUP=group, GROUPS=groups, SILU=silu,
-                                   num_warps=8 if groups > 32 else 4)
+    groups = groups_per_program or triton.next_power_of_2(k // group)
+    assert groups & (groups - 1) == 0, groups
+    grid = (rows, triton.cdiv(k // group, groups))
+    _quantize_rows_kernel[grid](x, xq, scales, m, k, x.stride(0), xq.stride(0),
+                                scales.stride(0), GROUP=group, GROUPS=groups, SILU=silu,
+                                num_warps=8 if groups > 32 else 4)
     return xq, scales.t()
 
 
