@@ -26,6 +26,17 @@ def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 1) -> floa
     return statistics.median(times)
 
 
+def graph_median_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """median_ms of one replay of a CUDA graph of `fn()`, run once eagerly first (compilation
+    and workspaces outside the capture)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, reps=reps)
+
+
 def held_rate(fn: Callable[[], object], seconds: float = 3.0) -> float:
     """Calls of `fn` a second, back to back, over the last two thirds of `seconds`: the rate
     the GPU holds once its power limit sets the clock, where median_ms times a burst at the

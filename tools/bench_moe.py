@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from nanoserve.cuda_timing import median_ms
+from nanoserve.cuda_timing import graph_median_ms, median_ms
 from nanoserve.models import moe
 
 H, E, K, INTER = 2048, 128, 8, 768
@@ -77,12 +77,7 @@ def main() -> None:
             if path == "loop":
                 ms = median_ms(functools.partial(run_layers, layers, xs), reps=20)
             else:
-                run_layers(layers, xs)  # warm-up: compilation, workspaces
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run_layers(layers, xs)
-                ms = median_ms(graph.replay, reps=20)
+                ms = graph_median_ms(functools.partial(run_layers, layers, xs), reps=20)
             us = ms * 1e3 / len(layers)
             row += f"{us:>12.1f}{us / floor_us:>6.2f}"
         print(row)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.cuda_timing import median_ms
+from nanoserve.cuda_timing import graph_median_ms, median_ms
 from nanoserve.models import fused_moe, moe_tiles
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import resolve_model_dir
@@ -56,12 +56,7 @@ def time_tiles(ws, xs, tiles, k: int) -> float:
         for x, (w, ids), (_, gate_up, down) in zip(xs, routed, ws, strict=True):
             fused_moe.experts_fused(x, w, ids, gate_up, down, tiles)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return median_ms(graph.replay, reps=15) * 1e3 / len(xs)
+    return graph_median_ms(run, reps=15) * 1e3 / len(xs)
 
 
 def hbm_GBps() -> float:

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from nanoserve.cuda_timing import median_ms
+from nanoserve.cuda_timing import graph_median_ms, median_ms
 from nanoserve.quant import triton_gemm as tg
 
 COPIES = 8
@@ -30,12 +30,7 @@ def time_us(xs: list[torch.Tensor], silu: bool, per_program: int | None) -> floa
         for x in xs:
             tg.quantize_activations(x, tg.FP8_GROUP, silu=silu, groups_per_program=per_program)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return median_ms(graph.replay, reps=20) * 1e3 / len(xs)
+    return graph_median_ms(run, reps=20) * 1e3 / len(xs)
 
 
 @torch.inference_mode()
