@@ -230,9 +230,14 @@ def test_torch_mixed_step_hands_each_part_its_rows_of_one_output():
                             context_lens=torch.tensor([14, 7], dtype=torch.int32))
     prefill = ForwardContext(True, ctx.slot_mapping[2:], ctx.page_tables[2:],
                              query_lens=lens[2:], prefix_lens=prefixes[2:])
-    backend = TorchBackend()
-    parts = torch.cat([backend.decode(q[:2], layer, decode),
-                       backend.prefill(q[2:], k[2:], v[2:], layer, prefill)])
+    assert_mixed_writes_one_output(TorchBackend(), q, k, v, layer, decode, prefill, 2)
+
+
+def assert_mixed_writes_one_output(backend, q, k, v, layer, decode, prefill, rows: int) -> None:
+    """backend.mixed equals its decode rows' and chunks' outputs concatenated, bit for bit, and
+    hands decode and prefill their own slices of the one output it returns (`out`)."""
+    parts = torch.cat([backend.decode(q[:rows], layer, decode),
+                       backend.prefill(q[rows:], k[rows:], v[rows:], layer, prefill)])
     outs = {}
     for name in ("decode", "prefill"):
         method = getattr(backend, name)
@@ -241,7 +246,7 @@ def test_torch_mixed_step_hands_each_part_its_rows_of_one_output():
     mixed = backend.mixed(q, k, v, layer, decode, prefill)
     assert torch.equal(mixed, parts)
     assert outs["decode"].data_ptr() == mixed.data_ptr()
-    assert outs["prefill"].data_ptr() == mixed[2:].data_ptr()
+    assert outs["prefill"].data_ptr() == mixed[rows:].data_ptr()
 
 
 def test_small_chunks_with_a_prefix_take_one_kernel_large_ones_split(monkeypatch):
@@ -368,17 +373,7 @@ def test_triton_mixed_step_equals_its_parts_concatenated(varlen, rows):
     backend.configure(8, 4096)
     for part in (decode, prefill):
         backend.prepare(part)
-    parts = torch.cat([backend.decode(q[:rows], layer, decode),
-                       backend.prefill(q[rows:], k[rows:], v[rows:], layer, prefill)])
-    outs = {}
-    for name in ("decode", "prefill"):
-        method = getattr(backend, name)
-        setattr(backend, name, lambda *a, out, method=method, name=name:
-                outs.setdefault(name, out) is None or method(*a, out=out))
-    mixed = backend.mixed(q, k, v, layer, decode, prefill)
-    assert torch.equal(mixed, parts)
-    assert outs["decode"].data_ptr() == mixed.data_ptr()
-    assert outs["prefill"].data_ptr() == mixed[rows:].data_ptr()
+    assert_mixed_writes_one_output(backend, q, k, v, layer, decode, prefill, rows)
 
 
 @gpu
