@@ -126,6 +126,12 @@ class AttentionBackend(ABC):
         """The step's rows' attention, into `out` where given (and returned)."""
 
 
+def into(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    """o, copied into `out` where the caller gave one (a kernel that writes only its own
+    output, under a backend's `out` interface)."""
+    return o if out is None else out.copy_(o)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer, slot_mapping: torch.Tensor) -> None:
     """The new tokens' K, V [tokens, kv_heads, d] into their slots of `layer`'s cache:
     quantized with their scales (store_fp8_kv) or cast to the cache's dtype."""

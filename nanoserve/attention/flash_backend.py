@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.backend import AttentionBackend, into
 from nanoserve.context import AttentionMetadata, ForwardContext
 
 
@@ -53,11 +53,11 @@ class FlashBackend(AttentionBackend):
         o = flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, max_q, max_k,
                                    softmax_scale=layer.scale, causal=True,
                                    block_table=ctx.page_tables)
-        return o if out is None else out.copy_(o)
+        return into(out, o)
 
     def decode(self, q, layer, ctx: ForwardContext, out: torch.Tensor | None = None
                ) -> torch.Tensor:
         o = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache,
                                     cache_seqlens=ctx.context_lens, block_table=ctx.page_tables,
                                     softmax_scale=layer.scale, causal=True).squeeze(1)
-        return o if out is None else out.copy_(o)
+        return into(out, o)

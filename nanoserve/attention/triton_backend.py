@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve import fused
-from nanoserve.attention.backend import AttentionBackend
+from nanoserve.attention.backend import AttentionBackend, into
 from nanoserve.attention.prefill import paged_prefill, use_varlen, varlen_prefill
 from nanoserve.attention.triton_decode import (
     decode_partials,
@@ -76,7 +76,7 @@ class TritonBackend(AttentionBackend):
         m = ctx.attn_meta
         if isinstance(m, VarlenPrefillMetadata) and q.dtype in (torch.bfloat16, torch.float16):
             o = varlen_prefill(q, k, v, m.cu_seqlens, m.max_len, layer.scale)
-            return o if out is None else out.copy_(o)
+            return into(out, o)
         return paged_prefill(q, k, v, layer, ctx, out)
 
     def build_decode_kernels(self, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, device):
