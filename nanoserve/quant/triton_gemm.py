@@ -500,7 +500,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         k //= 2
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    x_scale = scales
+    x_scale = None
     if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
         # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
         x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16, silu=silu)
@@ -508,10 +508,22 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                                 out_dtype=dtype)[:m]
     if fp8_x:
         x, x_scale = quantize_activations(x, block_k, silu=silu)
-    tiles = tiles or tiles_for(m, n, FP8, fp8_x)
+    return fp8_gemm_launch(x, x_scale, w, scales, scale_row, scale_cols, n,
+                           dtype, tiles or tiles_for(m, n, FP8, fp8_x), block_k)
+
+
+def fp8_gemm_launch(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
+                    scales: torch.Tensor, scale_row: torch.Tensor | None, scale_cols: int,
+                    n: int, dtype: torch.dtype, tiles: QuantTiles, block_k: int
+                    ) -> torch.Tensor:
+    """_fp8_gemm_kernel on x [M, K]: e4m3 with x_scale (quantize_activations' result, its
+    group block_k), or x_scale None and x as it is (the weight widened); y [M, n] in dtype."""
+    m, k = x.shape
     split = tiles.split_k if (k // block_k) % tiles.split_k == 0 else 1
     y = torch.empty(m, n, dtype=dtype, device=x.device)
     scale_row = scales if scale_row is None else scale_row
+    fp8_x = x_scale is not None
+    x_scale = scales if x_scale is None else x_scale
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     _fp8_gemm_kernel[grid](
         x, x_scale, w, scales, scale_row, y, *split_buffers(y, split, grid), m, n, k,
