@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh [tests|tests2|testsrest|ab|needle|gen|bench|prefill|profile|stall|cpusplit|cpurate|splitbench|decode|sweep|
 #                            kernels|sampling|fp8|fp8bench|prefixrate|heldrate|bg|follow|onerow|onerowtpot|gemvncu|gemvstages|awqvariants|moerouter|pdl|pdlchain|gptqactorder|fp8moe|tilesab|awqab|decodeprofile|copyforms|pageorder|tune|linear|h2d|link|ttft|models|moe|moeoffload|tpsmoke|tptests|allreduce|tp32k|tp128k|onem|synth|json|tunemoe|ttftchunk|moetargets|quant|quantpass|fp8rows|quantmodels]...
 # Step arguments from the environment: PROFILE_ARGS, TUNE_ARGS, LINEAR_ARGS, LINK_ARGS; SPLIT_LENS,
-# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant; QUANTPASS_ARGS for quantpass; FP8ROWS_ARGS for fp8rows;
+# SPLIT_BATCH, SPLIT_CPU and SPLIT_KV for splitbench; DECODE_TILES, TILES_MODELS for tilesab; ONEM_LEN for onem; BG_STEPS for bg, FOLLOW_S for follow; PREFIX_ARGS for prefixrate; HELD_S for heldrate; ONEROW_SPLITS (the CUDA GEMVs' K splits timed) for onerow; ONEROW_MODELS, ONEROW_FLAGS, ONEROW_SHAPE for onerowtpot; AWQ_VARIANT_ARGS for awqvariants; AWQ_OLD for awqab; PROFILE_MODELS for decodeprofile; PDL_MODELS, PDL_FLAGS for pdl; SYNTH_LEN, SYNTH_MODE, SYNTH_CPU, SYNTH_ARGS for synth; QUANT_ARGS for quant; QUANTPASS_ARGS for quantpass; FP8ROWS_ARGS for fp8rows;
 # MOE_BATCHES for moetargets; CHUNKS, TTFT_MODELS for ttftchunk; TUNEMOE_ARGS for tunemoe; QUANT_MODELS, QUANT_BATCH_MODELS, QUANT_MOE_MODELS for quantmodels (each a list, may be empty);
 # GPU_TESTS for tests; AB_FILE, AB_OTHER, AB_CMD, AB_ORDER, AB_TAIL for ab; REPS and
 # DECODE_SYNC for decode; STEP_TIMEOUT for every step.
@@ -292,12 +292,14 @@ for w in $what; do
                 # part in graphs (tools/probes/moe_router.py, a minute)
       run python3 tools/probes/moe_router.py 2>&1 | grep -v "it/s" | tee "$OUT/moe_router.log" ;;
     onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
-                 # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine
+                 # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine;
+                 # ONEROW_SHAPE another shape (e.g. "--input-len 512 --batch-size 64": FP8's
+                 # rows kernel against Triton's)
       for m in ${ONEROW_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do
         len=32768; [ "$m" = Qwen3-30B-A3B ] && len=4096
         for flag in ${ONEROW_FLAGS:-1 0}; do
-          NANOSERVE_ONE_ROW_CUDA=$flag run python3 bench_offload.py --model $m --input-len $len \
-            --output-len 64 --resident-graph --out "$OUT/onerow_${m}_$flag" 2>&1 \
+          NANOSERVE_ONE_ROW_CUDA=$flag run python3 bench_offload.py --model $m \
+            ${ONEROW_SHAPE:---input-len $len} --output-len 64 --resident-graph --out "$OUT/onerow_${m}_$flag" 2>&1 \
             | grep -E "^resident" | sed "s/^/cuda=$flag /"
         done
       done
@@ -377,11 +379,11 @@ for w in $what; do
               # quantization pass, GEMM alone, bf16 cuBLAS, other tiles), then Nsight Compute on
               # the 64-row GEMM of each shape (FP8ROWS_ARGS)
       run python3 tools/probes/fp8_rows.py ${FP8ROWS_ARGS:-} 2>&1 | tee "$OUT/fp8_rows.log"
-      run ncu --clock-control none -k regex:_fp8_gemm_kernel --section SpeedOfLight \
+      run ncu --clock-control none -k regex:"_fp8_gemm_kernel|fp8_rows_kernel" --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats python3 tools/probes/fp8_rows.py --ncu --rows 64 \
         >"$OUT/fp8_rows_ncu.log" 2>&1
-      grep -E "^ncu: |_fp8_gemm_kernel|Duration|DRAM Thr|Memory Thr|L2 Cache Thr|Achieved Occ|Registers Per|Shared Memory Config|Waves|Grid Size|Warp Cycles Per Issued|Stall|==ERROR" \
+      grep -E "^ncu: |_fp8_gemm_kernel|fp8_rows_kernel|Duration|DRAM Thr|Memory Thr|L2 Cache Thr|Achieved Occ|Registers Per|Shared Memory Config|Waves|Grid Size|Warp Cycles Per Issued|Stall|==ERROR" \
         "$OUT/fp8_rows_ncu.log" | head -120 ;;
     quantmodels)  # issue 36's targets: Qwen3-8B bf16, FP8 and AWQ at 32K, batch 1; FP8 64 x 512;
                   # Qwen3-30B-A3B bf16 and FP8 at 4K (about 9 minutes on an H100: STEP_TIMEOUT)
