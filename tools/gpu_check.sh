@@ -293,8 +293,7 @@ for w in $what; do
       run python3 tools/probes/moe_router.py 2>&1 | grep -v "it/s" | tee "$OUT/moe_router.log" ;;
     onerowtpot)  # each model's batch-1 TPOT with the one-row CUDA kernels and without
                  # (NANOSERVE_ONE_ROW_CUDA=0), alternating ONEROW_FLAGS on one machine;
-                 # ONEROW_SHAPE another shape (e.g. "--input-len 512 --batch-size 64": FP8's
-                 # rows kernel against Triton's)
+                 # ONEROW_SHAPE another shape (e.g. "--input-len 512 --batch-size 64")
       for m in ${ONEROW_MODELS-Qwen3-8B-AWQ Qwen3-8B-FP8 Qwen3-30B-A3B}; do
         len=32768; [ "$m" = Qwen3-30B-A3B ] && len=4096
         for flag in ${ONEROW_FLAGS:-1 0}; do
@@ -379,11 +378,11 @@ for w in $what; do
               # quantization pass, GEMM alone, bf16 cuBLAS, other tiles), then Nsight Compute on
               # the 64-row GEMM of each shape (FP8ROWS_ARGS)
       run python3 tools/probes/fp8_rows.py ${FP8ROWS_ARGS:-} 2>&1 | tee "$OUT/fp8_rows.log"
-      run ncu --clock-control none -k regex:"_fp8_gemm_kernel|fp8_rows_kernel" --section SpeedOfLight \
+      run ncu --clock-control none -k regex:_fp8_gemm_kernel --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats python3 tools/probes/fp8_rows.py --ncu --rows 64 \
         >"$OUT/fp8_rows_ncu.log" 2>&1
-      grep -E "^ncu: |_fp8_gemm_kernel|fp8_rows_kernel|Duration|DRAM Thr|Memory Thr|L2 Cache Thr|Achieved Occ|Registers Per|Shared Memory Config|Waves|Grid Size|Warp Cycles Per Issued|Stall|==ERROR" \
+      grep -E "^ncu: |_fp8_gemm_kernel|Duration|DRAM Thr|Memory Thr|L2 Cache Thr|Achieved Occ|Registers Per|Shared Memory Config|Waves|Grid Size|Warp Cycles Per Issued|Stall|==ERROR" \
         "$OUT/fp8_rows_ncu.log" | head -120 ;;
     quantmodels)  # issue 36's targets: Qwen3-8B bf16, FP8 and AWQ at 32K, batch 1; FP8 64 x 512;
                   # Qwen3-30B-A3B bf16 and FP8 at 4K (about 9 minutes on an H100: STEP_TIMEOUT)

@@ -51,12 +51,6 @@ AWQ_CTAS_PER_SM, PLAIN_CTAS_PER_SM = 3, 6
 # 11.9 / 12.8, gate_up 66.1 / 66.1 / 64.1 / 66.9 / 75.9, lm_head 400.7 at 1 (the skinny matmul:
 # 6.5, 8.6, 4.9, 20.0, 8.8, 68.7, 401.2; cuBLAS 6.8, 7.7, 4.8, 20.5, 10.8, 72.2, 437.1)
 HALF_MIN_STEPS = 8
-# FP8's few-row kernel (fp8_rows.cu): the rows it takes (from WIDE_ROWS, quant/triton_gemm.py,
-# where x is quantized; to 64, padded to 16, 32 or 64), the fewest steps a CTA takes, and the
-# CTAs an SM a K split aims at (174 registers a thread at 64 rows: 2 an SM)
-ROWS_MIN, ROWS_MAX = 16, 64
-ROWS_MIN_STEPS = 4
-ROWS_CTAS_PER_SM = 2
 MAX_SPLITS = 32  # the most a split may be asked for (tools/bench_quant.py --splits)
 # num_splits' cap. Measured on an H100 (session 28, Qwen3-8B-AWQ's layers, us at 8 / 16 / 24 /
 # 32 splits): qkv 13.5 / 11.8 / 16.3 / 15.7, o 11.9 / 9.8 / 11.6 / 11.4, down 26.7 / 18.6 / 18.3 /
@@ -71,8 +65,7 @@ def _extension():
     """The compiled module, or None where it cannot be built or run (or is switched off)."""
     return one_row_module(
         "nanoserve_quant_gemv",
-        [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "plain_gemv.cu",
-         CSRC / "fp8_rows.cu"],
+        [CSRC / "gemv_binding.cpp", CSRC / "awq_gemv.cu", CSRC / "plain_gemv.cu"],
         "the quantized one-row CUDA kernels", CSRC)
 
 
@@ -211,59 +204,6 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, scale_row: 
                    scale_cols=min(scale_cols, 1 << 30))
 
 
-def fp8_rows_shape_ok(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
-                      scale_row: torch.Tensor, scale_cols: int, silu: bool = False) -> bool:
-    """Whether the FP8 rows kernel takes x [M, K] (1 to ROWS_MAX rows; with `silu` [M, 2K],
-    rows [gate | up]) against e4m3 w [N, K] as fp8_shape_ok's, N a multiple of 8. Checks no
-    device."""
-    n, k = w.shape
-    return (x.dim() == 2 and 1 <= x.shape[0] <= ROWS_MAX and
-            x.shape[1] == k * (2 if silu else 1) and x.dtype in HALF and x.is_contiguous() and
-            n % 8 == 0 and fp8_shape_ok(x[:1, :k], w, scales, scale_row, scale_cols))
-
-
-def few_rows(x: torch.Tensor, args: dict, silu: bool = False) -> torch.Tensor | None:
-    """x [M, K] (ROWS_MIN to ROWS_MAX rows: batched decode) times an FP8 weight given as
-    quant/triton_gemm.quant_gemm's arguments: x quantized per 128 inputs (with `silu`, x is
-    [M, 2K] and silu(gate) * up is quantized, in the same pass) and multiplied on tensor cores
-    in CUDA (fp8_rows.cu): y [M, N] in x's dtype. None where the kernel does not take it (no
-    GPU before sm_89, no build, another format, row count or shape)."""
-    if not x.is_cuda or _extension() is None or not ROWS_MIN <= x.shape[0] <= ROWS_MAX:
-        return None
-    from nanoserve.quant.triton_gemm import FP8, quantize_activations
-
-    if args["fmt"] != FP8 or device_capability(x.device.index or 0) < (8, 9):
-        return None
-    fp8 = dict(w=args["w"], scales=args["scales"], scale_row=args["scale_row"],
-               scale_cols=args["scale_cols"])
-    if not fp8_rows_shape_ok(x, **fp8, silu=silu):
-        return None
-    m = x.shape[0]
-    xq, xs = quantize_activations(x, PLAIN_STEP, rows=max(16, 1 << (m - 1).bit_length()),
-                                  silu=silu)
-    return fp8_rows(xq, xs, m, **fp8, dtype=x.dtype)
-
-
-def fp8_rows(xq: torch.Tensor, xs: torch.Tensor, m: int, w: torch.Tensor,
-             scales: torch.Tensor, scale_row: torch.Tensor, scale_cols: int,
-             dtype: torch.dtype, splits: int | None = None, warp_tiles: int | None = None
-             ) -> torch.Tensor:
-    """The first m rows of xq [16, 32 or 64, K] (e4m3, quantize_activations' result with
-    group 128, scales xs) times e4m3 w [N, K] as fp8_gemv's: y [m, N] in dtype. `splits` and
-    `warp_tiles` (2, or 4 at 16 rows) in place of the defaults (tools/probes/fp8_rows.py times
-    them)."""
-    n, k = w.shape
-    tiles = warp_tiles or 2
-    slices = -(-n // (32 * tiles))
-    if splits is None:
-        sms = _num_sms(xq.device.index or 0)
-        split = num_splits(slices, k // PLAIN_STEP, ROWS_CTAS_PER_SM * sms, ROWS_MIN_STEPS)
-    else:
-        split = max(1, min(splits, k // PLAIN_STEP, MAX_SPLITS))
-    return _launch("fp8_rows", xq, n, slices, split, xs, w, scales, scale_row, rows=m,
-                   dtype=dtype, scale_cols=min(scale_cols, 1 << 30), warp_tiles=tiles)
-
-
 def half_gemv(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """x [1, K] @ w.T for w [N, K] of x's dtype: y [1, N], float32 sums rounded once. See
     half_shape_ok; `splits` as one_row's."""
@@ -285,11 +225,10 @@ def _split(splits: int | None, slices: int, units: int, ctas_per_sm: int, min_un
 
 
 def _launch(kernel: str, x: torch.Tensor, n: int, slices: int, split: int,
-            *tensors: torch.Tensor, rows: int = 1, dtype: torch.dtype | None = None,
-            **ints: int) -> torch.Tensor:
+            *tensors: torch.Tensor, **ints: int) -> torch.Tensor:
     from nanoserve.quant.triton_gemm import split_buffers  # the split-K parts and counters
 
-    y = torch.empty(rows, n, dtype=dtype or x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials, counters = split_buffers(y, split, (slices, 1, split))
     pdl = pdl_wanted(device_capability(x.device.index or 0))
     with torch.cuda.device(x.device):

@@ -140,9 +140,8 @@ class QuantizedLinear(nn.Module):
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The product through a kernel that dequantizes inside it, for rows x [M,
-        in_features]: one row (AWQ, FP8) through the CUDA GEMVs, FP8's 16-64 rows through the
-        CUDA rows kernel (quant/cuda_gemv.py) where they build, take the shape and are not
-        switched off, the rest through Triton's
+        in_features]: one row (AWQ, FP8) through the CUDA GEMVs (quant/cuda_gemv.py) where they
+        build, take the shape and are not switched off, the rest through Triton's
         (quant/triton_gemm.py); None where no kernel takes them (quant/triton_gemm.supports) or
         this layer (a fused GPTQ layer whose shards' g_idx differ)."""
         try:
@@ -151,10 +150,9 @@ class QuantizedLinear(nn.Module):
             return None
         args = self._kernel_args()
         x = x.contiguous()
-        if args is not None and (x.shape[0] == 1 or self.input_order is None):
-            from nanoserve.quant import cuda_gemv  # one row: x gathered in input_order there
-            y = cuda_gemv.one_row(x, args, x_order=self.input_order) if x.shape[0] == 1 else \
-                cuda_gemv.few_rows(x, args)
+        if args is not None and x.shape[0] == 1:  # the CUDA GEMV gathers x in input_order
+            from nanoserve.quant import cuda_gemv
+            y = cuda_gemv.one_row(x, args, x_order=self.input_order)
             if y is not None:
                 return y if self.bias is None else y + self.bias
         if self.input_order is not None:
@@ -184,11 +182,7 @@ class QuantizedLinear(nn.Module):
                 not triton_gemm.supports(x[:, :self.in_features], triton_gemm.FP8,
                                          self.in_features, args["scale_cols"], 128):
             return None
-        from nanoserve.quant import cuda_gemv
-
-        y = cuda_gemv.few_rows(x, args, silu=True)
-        if y is None:
-            y = triton_gemm.quant_gemm(x, n=self.out_features, silu=True, **args)
+        y = triton_gemm.quant_gemm(x, n=self.out_features, silu=True, **args)
         y = y if self.bias is None else y + self.bias
         return y.view(*gate_up.shape[:-1], self.out_features)
 

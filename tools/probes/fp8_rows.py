@@ -1,9 +1,9 @@
 """Where FP8's product of a few rows (batched decode: 16-64 rows) spends its time, on Qwen3-8B's
-shapes: the activation quantization pass alone, Triton's GEMM kernel alone on x already
-quantized, the whole quant_gemm, and bf16 cuBLAS on the same product; each against the floor of the weight's bytes at a device copy's rate measured here.
-Then the CUDA rows kernel (quant/csrc/fp8_rows.cu) whole and alone, by K split and tiles a
-warp. CUDA graphs cycling over enough weight copies that none stays in L2. `--ncu`: instead,
-each shape's default Triton GEMM and CUDA rows kernel launched twice (for Nsight Compute).
+shapes: the activation quantization pass alone, the GEMM kernel alone on x already quantized
+(the default tiles, and a few others), the whole quant_gemm, and bf16 cuBLAS on the same
+product; each against the floor of the weight's bytes at a device copy's rate measured here.
+CUDA graphs cycling over enough weight copies that none stays in L2. `--ncu`: instead, each
+shape's default GEMM launched twice (for Nsight Compute: `-k regex:_fp8_gemm_kernel`).
 Usage (GPU):
     python tools/probes/fp8_rows.py [--rows 16,32,64] [--shapes qkv,o,gate_up,down] [--ncu]
 """
@@ -20,38 +20,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_quant import SHAPES, SPAN, copy_rate_gbs, graph_time_us, weights  # noqa: E402
 
-from nanoserve.quant import cuda_gemv  # noqa: E402
 from nanoserve.quant import triton_gemm as tg  # noqa: E402
 
-
-def fp8(a: dict) -> dict:
-    return dict(w=a["w"], scales=a["scales"], scale_row=a["scale_row"],
-                scale_cols=a["scale_cols"])
-
-
-def cuda_rows(x: torch.Tensor, copies: list[dict], floor: float, ref: torch.Tensor) -> None:
-    """The CUDA rows kernel (quant/csrc/fp8_rows.cu): whole (x's quantization pass and the
-    kernel, its default split), then the kernel alone at other splits and tiles a warp."""
-    rows = x.shape[0]
-    got = cuda_gemv.few_rows(x, copies[0])
-    if got is None:
-        print("    CUDA rows kernel: not built or not taken here", flush=True)
-        return
-    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-    whole = graph_time_us([lambda a=a: cuda_gemv.few_rows(x, a) for a in copies])
-    xq, xs = tg.quantize_activations(x, tg.FP8_GROUP, rows=max(16, 1 << (rows - 1).bit_length()))
-    alone = graph_time_us([lambda a=a: cuda_gemv.fp8_rows(xq, xs, rows, **fp8(a),
-                                                         dtype=x.dtype) for a in copies])
-    print(f"    CUDA rows: whole {whole:6.1f} us ({whole / floor:.2f}x) = kernel {alone:6.1f} "
-          f"({alone / floor:.2f}x); {err:.1e} of Triton's largest output", flush=True)
-    for tiles in (2, 4) if rows <= 16 else (2,):
-        times = []
-        for split in (1, 2, 3, 4, 6, 8, 12):
-            us = graph_time_us([lambda a=a, s=split, t=tiles: cuda_gemv.fp8_rows(
-                xq, xs, rows, **fp8(a), dtype=x.dtype, splits=s, warp_tiles=t)
-                for a in copies])
-            times.append(f"{split}: {us:.1f}")
-        print(f"      {tiles} tiles a warp, us by split: " + ", ".join(times), flush=True)
+OTHER_TILES = [tg.QuantTiles(64, bn, 128, w, s, split) for bn, w, s, split in (
+    (32, 4, 3, 1), (64, 4, 3, 1), (128, 4, 3, 1), (64, 4, 6, 2), (64, 4, 8, 4), (32, 4, 8, 4),
+    (128, 8, 4, 4), (64, 4, 3, 8))]
 
 
 def gemm(xq, xs, a, n, tiles):
@@ -72,8 +45,15 @@ def one_shape(name: str, n: int, k: int, rows: int, copies: list[dict],
           f"({whole / floor:.2f}x) = pass {quant:5.1f} + GEMM {alone:6.1f} "
           f"({alone / floor:.2f}x, {tuple(default)}) | bf16 cuBLAS {cublas:6.1f} "
           f"({cublas / floor / 2:.2f}x its floor)", flush=True)
-    cuda_rows(x, copies, floor, tg.quant_gemm(x, n=n, **copies[0]).float())
-
+    if rows != 64:
+        return
+    for t in OTHER_TILES:
+        try:
+            us = graph_time_us([lambda a=a, t=t: gemm(xq, xs, a, n, t) for a in copies])
+        except Exception as e:  # shared memory the compiler refuses
+            print(f"    {tuple(t)}: {type(e).__name__}")
+            continue
+        print(f"    GEMM {tuple(t)}: {us:6.1f} us ({us / floor:.2f}x)", flush=True)
 
 
 @torch.inference_mode()
@@ -93,7 +73,6 @@ def main() -> None:
             xq, xs = tg.quantize_activations(x, tg.FP8_GROUP)
             for _ in range(2):
                 gemm(xq, xs, a, n, tg.tiles_for(rows, n))
-                cuda_gemv.fp8_rows(xq, xs, rows, **fp8(a), dtype=x.dtype)
             torch.cuda.synchronize()
             print(f"ncu: {name} rows {rows} tiles {tuple(tg.tiles_for(rows, n))}", flush=True)
         return

@@ -1,5 +1,4 @@
-// torch binding of the one-row products (awq_gemv.cu, plain_gemv.cu) and FP8's few-row product
-// (fp8_rows.cu). Python (quant/cuda_gemv.py)
+// torch binding of the one-row products (awq_gemv.cu, plain_gemv.cu). Python (quant/cuda_gemv.py)
 // checks the tensors' dtypes, shapes, alignment and devices; this takes their pointers. Errors
 // come back as strings, never as C++ exceptions. The stream is the caller's current one (a
 // graph's capture stream while capturing), passed as an integer; pdl: launched with programmatic
@@ -11,7 +10,6 @@
 #include <string>
 
 #include "awq_gemv.h"
-#include "fp8_rows.h"
 #include "plain_gemv.h"
 
 namespace {
@@ -86,43 +84,12 @@ std::string half_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor y, torch::
   return launched(plain_gemv_launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
-std::string fp8_rows(torch::Tensor xq, torch::Tensor xs, torch::Tensor w, torch::Tensor scales,
-                     torch::Tensor scale_row, torch::Tensor y, torch::Tensor partials,
-                     torch::Tensor counters, int64_t scale_cols, int64_t warp_tiles,
-                     int64_t splits, int64_t pdl, int64_t stream) {
-  Fp8RowsParams p{};
-  p.xq = static_cast<const uint8_t*>(xq.data_ptr());
-  p.xs = static_cast<const float*>(xs.data_ptr());
-  p.w = static_cast<const uint8_t*>(w.data_ptr());
-  p.scales = static_cast<const float*>(scales.data_ptr());
-  p.scale_row = static_cast<const int32_t*>(scale_row.data_ptr());
-  p.y = y.data_ptr();
-  p.partials = static_cast<float*>(partials.data_ptr());
-  p.counters = static_cast<int32_t*>(counters.data_ptr());
-  p.m = static_cast<int>(y.size(0));
-  p.x_rows = static_cast<int>(xq.size(0));
-  p.n = static_cast<int>(w.size(0));
-  p.k = static_cast<int>(w.size(1));
-  p.stride_x = static_cast<int>(xq.stride(0));
-  p.stride_xs = static_cast<int>(xs.stride(1));
-  p.stride_w = static_cast<int>(w.stride(0));
-  p.stride_s = static_cast<int>(scales.stride(0));
-  p.scale_cols = static_cast<int>(std::min<int64_t>(scale_cols, 1 << 30));
-  p.splits = static_cast<int>(splits);
-  p.warp_tiles = static_cast<int>(warp_tiles);
-  p.y_bf16 = y.scalar_type() == torch::kBFloat16;
-  p.pdl = pdl != 0;
-  return launched(fp8_rows_launch(p, reinterpret_cast<cudaStream_t>(stream)));
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("awq_gemv", &awq_gemv,
         "AWQ 4-bit weights times one row, written to y; \"\" or why nothing ran");
   m.def("fp8_gemv", &fp8_gemv, "e4m3 weights times one row, written to y; \"\" or why nothing ran");
-  m.def("fp8_rows", &fp8_rows,
-        "e4m3 weights times 1 to 64 rows of e4m3 x, written to y; \"\" or why nothing ran");
   m.def("half_gemv", &half_gemv,
         "16-bit weights (x's dtype) times one row, written to y; \"\" or why nothing ran");
 }
