@@ -455,13 +455,16 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
 @torch.inference_mode()
 def test_the_quantization_pass_gives_the_same_bytes_for_any_groups_a_program(silu):
     """quantize_activations with 1-32 groups a program (the last chunk of a row cut short: 96
-    groups, and 12) equals the whole row a program, bit for bit, padding rows included."""
+    groups, and 12) and by default (QUANT_GROUPS) equals the whole row a program, bit for bit,
+    padding rows included."""
     from nanoserve.quant import triton_gemm as tg
     gen = torch.Generator(device="cuda").manual_seed(int(silu))
     for width in (12288, 1536):
         x = torch.randn(37, width * (2 if silu else 1), device="cuda", generator=gen).bfloat16()
-        ref_q, ref_s = tg.quantize_activations(x, 128, rows=48, silu=silu)
-        for per in (1, 2, 8, 32):
+        whole = 1 << (width // 128 - 1).bit_length()
+        ref_q, ref_s = tg.quantize_activations(x, 128, rows=48, silu=silu,
+                                               groups_per_program=whole)
+        for per in (1, 2, 8, 32, None):
             got_q, got_s = tg.quantize_activations(x, 128, rows=48, silu=silu,
                                                    groups_per_program=per)
             assert torch.equal(got_q.view(torch.uint8), ref_q.view(torch.uint8)), (width, per)

@@ -158,9 +158,9 @@ def quant_cases():
             quant_gemm(torch.zeros(r, k, dtype=d), **fp8)
     yield "quantized GEMM, FP8 block-wise, silu(gate) * up quantized, 16 rows", lambda: \
         quant_gemm(torch.zeros(16, 2 * k, dtype=torch.bfloat16), **fp8, silu=True)
-    yield "FP8 activation quantization, 8 groups a program, silu", lambda: \
+    yield "FP8 activation quantization, a whole row a program, silu", lambda: \
         quantize_activations(torch.zeros(16, 2 * k, dtype=torch.bfloat16), 128, silu=True,
-                             groups_per_program=8)
+                             groups_per_program=k // 128)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
                 scales=torch.ones(k // 128, n, dtype=torch.float16), n=n)
     formats = {"AWQ": dict(fmt=AWQ, w=torch.zeros(k, n // 8, dtype=torch.int32)),

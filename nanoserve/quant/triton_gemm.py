@@ -43,6 +43,12 @@ from nanoserve.quant.formats import gpu_reads_e4m3
 FP8, AWQ, GPTQ, GPTQ_ACT_ORDER = 0, 1, 2, 3
 SKINNY_ROWS = 64  # up to this many rows: one row tile, the skinny matmul's schedule
 FP8_GROUP = 128  # inputs an activation scale covers (the checkpoints' weight blocks' width)
+# groups of FP8_GROUP inputs a program of the quantization pass takes (fewer if a row has
+# fewer). A whole row a program held it in registers: 254 a thread at 12,288 inputs, spilling
+# with silu folded in. Us on an H100 (tools/probes/quantize_pass.py, session 38), a whole row
+# against 8 groups: 64 rows x 12,288 with silu 4.8 / 2.9, without 3.3 / 2.8; 64 x 4,096 2.7 /
+# 2.8; 8,192 x 12,288 with silu 174.3 / 173.7, 8,192 x 4,096 37.4 / 37.6
+QUANT_GROUPS = 8
 INT4_MAX_ROWS = 1024  # more rows: dequantized once, then cuBLAS (the 4-bit GEMM's tiles run at
 # a fifth of cuBLAS's bf16 rate; tools/bench_quant.py at 4096 rows)
 WIDE_ROWS = 16  # FP8 below this many rows: x not quantized, the weight widened to x's dtype
@@ -399,9 +405,8 @@ def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
     (fp8_activations_reference is its torch twin); rows past M (`rows`, default M) zeros.
     `silu`: x is [M, 2K], rows [gate | up], and silu(gate) * up is quantized (as torch rounds
     it to x's dtype), never written out. `groups_per_program` (a power of two): the groups a
-    program takes, by default a whole row's (its values in registers: at 12,288 inputs 254
-    registers a thread; tools/probes/quantize_pass.py times other counts). The result does not
-    depend on it."""
+    program takes, by default QUANT_GROUPS (tools/probes/quantize_pass.py times other counts).
+    The result does not depend on it."""
     m, k = x.shape
     if silu:
         assert k % 2 == 0, "rows [gate | up] of an odd width"
@@ -409,7 +414,7 @@ def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
     rows = rows or m
     xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
-    groups = groups_per_program or triton.next_power_of_2(k // group)
+    groups = groups_per_program or min(QUANT_GROUPS, triton.next_power_of_2(k // group))
     assert groups & (groups - 1) == 0, groups
     grid = (rows, triton.cdiv(k // group, groups))
     _quantize_rows_kernel[grid](x, xq, scales, m, k, x.stride(0), xq.stride(0),
