@@ -440,6 +440,13 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
     got_q, got_s = tg.quantize_activations(gate_up, 128, rows=padded, silu=True)
     ref_q, ref_s = tg.quantize_activations(silu_and_mul(gate_up), 128, rows=padded)
     assert got_q.shape == (padded, inter) and got_s.shape == (padded, inter // 128)
+    _assert_same_quantization(got_q, got_s, ref_q, ref_s, rows)
+
+
+def _assert_same_quantization(got_q, got_s, ref_q, ref_s, rows):
+    """Two quantizations of rows x of the same values but for a step of x's dtype here and
+    there: scales within 2^-7, every value within one e4m3 step, at most 1 byte in 1,000
+    different; rows from `rows` on (padding) zeros with scale 1e-12 / 448 (to 1e-6)."""
     assert ((got_s - ref_s).abs() <= 2**-7 * ref_s).all()
     got = got_q.float() * got_s.repeat_interleave(128, 1)
     ref = ref_q.float() * ref_s.repeat_interleave(128, 1)
@@ -449,6 +456,79 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
     assert (got_q[rows:].float() == 0).all()
     # (Triton's float32 division is within 2 ulp, not IEEE-rounded)
     assert ((got_s[rows:] / (1e-12 / 448.0) - 1).abs() <= 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [16, 64, 300])
+@pytest.mark.parametrize("width", [1536, 4096])
+@pytest.mark.parametrize("with_delta", [True, False])
+@torch.inference_mode()
+def test_the_norm_made_quantized_equals_the_norm_then_the_quantization_pass(dtype, rows, width,
+                                                                           with_delta):
+    """norm_quantize_activations(x, delta, weight) against add_rms_norm's eager reference (or
+    rms_norm's, without delta) followed by quantize_activations: x + delta bit-equal, the
+    quantization the same but for a step of x's dtype here and there
+    (_assert_same_quantization), padding rows zero. Widths of 12 groups and Qwen3-8B's 32."""
+    from nanoserve.models.layers import add_rms_norm, rms_norm
+    from nanoserve.quant import triton_gemm as tg
+    gen = torch.Generator(device="cuda").manual_seed(rows + width)
+    x = (torch.randn(rows, width, device="cuda", generator=gen) * 3).to(dtype)
+    delta = (torch.randn(rows, width, device="cuda", generator=gen) * 3).to(dtype) \
+        if with_delta else None
+    weight = (torch.rand(width, device="cuda", generator=gen) + 0.5).to(dtype)
+    padded = -(-rows // 16) * 16 + 16
+    total, got_q, got_s = tg.norm_quantize_activations(x, delta, weight, 1e-6, 128, padded)
+    if with_delta:
+        ref_total, normed = add_rms_norm.eager(x, delta, weight, 1e-6)
+        assert torch.equal(total, ref_total)
+    else:
+        normed = rms_norm.eager(x, weight, 1e-6)
+        assert total is None
+    ref_q, ref_s = tg.quantize_activations(normed, 128, rows=padded)
+    assert got_q.shape == (padded, width) and got_s.shape == (padded, width // 128)
+    _assert_same_quantization(got_q, got_s, ref_q, ref_s, rows)
+
+
+@pytest.mark.parametrize("rows", [8, 16, 64, 300])
+@torch.inference_mode()
+def test_an_fp8_layers_norms_hand_its_projections_quantized_rows(source, tmp_path, rows,
+                                                                  monkeypatch):
+    """An FP8 block-wise model's decoder norms (RMSNorm.add_forward / forward with `into`):
+    from WIDE_ROWS rows (16, 64; 300: Triton's kernel, the tiny model's K too small for
+    cuBLAS's) they hand qkv_proj and gate_up_proj QuantizedRows, x + delta bit-equal to the
+    plain norm's; the projection then runs no quantization pass, and its output is within 1e-3
+    (relative norm) of the projection of the plain norm. At 8 rows (x not quantized), and with
+    fusion off, the norm is a tensor as before."""
+    from nanoserve import fused
+    from nanoserve.quant import triton_gemm as tg
+    from nanoserve.quant.linear import QuantizedRows
+    quantize_checkpoint(source, tmp_path, "fp8_block")
+    llm = make_gpu_llm(tmp_path, dtype="bfloat16", max_model_len=1024)
+    layer = llm.engine.runner.model.model.layers[0]
+    passes = []
+    real_pass = tg.quantize_activations
+    monkeypatch.setattr(tg, "quantize_activations", lambda *a, **k: (
+        passes.append(a[0].shape), real_pass(*a, **k))[1])
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x, delta = (torch.randn(2, rows, 256, device="cuda", generator=gen) * 3).bfloat16()
+    for norm, into in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                       (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        ref_total, ref_h = norm.add_forward(x, delta)
+        total, h = norm.add_forward(x, delta, into=into)
+        assert torch.equal(total, ref_total)
+        for got_h, plain in ((h, ref_h), (norm(x, into=into), norm(x))):
+            assert isinstance(got_h, QuantizedRows) == (rows >= 16)
+            passes.clear()
+            got = into(got_h).float()
+            assert passes == []
+            ref = into(plain).float()
+            assert passes == ([plain.shape] if rows >= 16 else [])
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-3, (rows, into)
+        fused.set_enabled(False)
+        try:
+            assert isinstance(norm.add_forward(x, delta, into=into)[1], torch.Tensor)
+        finally:
+            fused.set_enabled(True)
 
 
 @pytest.mark.parametrize("silu", [False, True])

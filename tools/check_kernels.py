@@ -144,6 +144,7 @@ def quant_cases():
         GPTQ_ACT_ORDER,
         QuantTiles,
         _fp8_gemm,
+        norm_quantize_activations,
         quant_gemm,
         quantize_activations,
     )
@@ -161,6 +162,11 @@ def quant_cases():
     yield "FP8 activation quantization, a whole row a program, silu", lambda: \
         quantize_activations(torch.zeros(16, 2 * k, dtype=torch.bfloat16), 128, silu=True,
                              groups_per_program=k // 128)
+    for delta in (torch.zeros(16, k, dtype=torch.bfloat16), None):
+        yield f"FP8 activation quantization of RMSNorm, {'with' if delta is not None else 'no'}" \
+            " residual add", lambda d=delta: norm_quantize_activations(
+                torch.zeros(16, k, dtype=torch.bfloat16), d, torch.ones(k, dtype=torch.bfloat16),
+                1e-6, 128, 16)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
                 scales=torch.ones(k // 128, n, dtype=torch.float16), n=n)
     formats = {"AWQ": dict(fmt=AWQ, w=torch.zeros(k, n // 8, dtype=torch.int32)),

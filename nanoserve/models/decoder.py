@@ -37,7 +37,7 @@ from nanoserve.models.layers import (
 from nanoserve.models.moe import MOE_BACKENDS, SparseMoE
 from nanoserve.models.parallel import VocabParallelEmbedding
 from nanoserve.quant.config import QuantConfig
-from nanoserve.quant.linear import QuantizedLinear
+from nanoserve.quant.linear import QuantizedLinear, QuantizedRows
 
 log = logging.getLogger("nanoserve")
 
@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
         self.attn = Attention(layer_id, heads, kv_heads, d, rotary,
                               (self.q_norm, self.k_norm) if cfg.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         d = self.attn.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         o = self.attn(positions, q.view(-1, self.attn.num_heads, d),
@@ -145,7 +145,7 @@ class MLP(nn.Module):
         self.down_proj = linear(cfg, [at + "down_proj"], i, [cfg.hidden_size], bias=False)
         self.down_proj.lt_rows = DOWN_LT_ROWS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return all_reduce(silu_mul_linear(self.down_proj, self.gate_up_proj(x)))
 
 
@@ -165,11 +165,13 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; delta: the previous layer's MLP output, not yet added (None
         before the first layer). Each residual add runs in the kernel of the norm after it, so
         this returns (x, its MLP output) for the next layer (or the head) to add."""
+        qkv = self.self_attn.qkv_proj  # each norm made in the form its projection takes
         if delta is None:
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, into=qkv)
         else:
-            x, h = self.input_layernorm.add_forward(x, delta)
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(positions, h))
+            x, h = self.input_layernorm.add_forward(x, delta, into=qkv)
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(positions, h), into=getattr(self.mlp, "gate_up_proj", None))
         return x, self.mlp(h)
 
 

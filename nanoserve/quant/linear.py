@@ -11,12 +11,24 @@ reference path, which the kernels are tested against.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.quant.config import QuantConfig
 from nanoserve.quant.formats import dequantize, fill_dummy, gptq_as_awq, tensor_specs
+
+
+class QuantizedRows(NamedTuple):
+    """Rows x already in the form an FP8 layer's kernel takes them (QuantizedLinear.norm_input:
+    the norm ahead of the layer quantized its output): e4m3 values [padded rows, K], their
+    scales, the real row count and x's dtype."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    dtype: torch.dtype
 
 
 class QuantizedLinear(nn.Module):
@@ -131,7 +143,9 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return self._quantized_rows_forward(x)
         if x.is_cuda:
             y = self.kernel_forward(x.reshape(-1, x.shape[-1]))
             if y is not None:
@@ -185,6 +199,43 @@ class QuantizedLinear(nn.Module):
         y = triton_gemm.quant_gemm(x, n=self.out_features, silu=True, **args)
         y = y if self.bias is None else y + self.bias
         return y.view(*gate_up.shape[:-1], self.out_features)
+
+    def norm_input(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor | None, QuantizedRows] | None:
+        """RMSNorm(x + delta) (layers.add_rms_norm's; without delta of x) made straight into
+        this layer's input where its FP8 kernel quantizes x (quant/triton_gemm.quantized_rows):
+        (x + delta, or None without delta; the normed rows quantized), one kernel where there
+        were a norm and a quantization pass, the norm never written out. None elsewhere (the
+        caller norms, and this layer takes the result as usual)."""
+        if not x.is_cuda or x.dim() != 2 or x.shape[1] != self.in_features or \
+                not x.is_contiguous() or weight.dtype != x.dtype or \
+                self.input_order is not None or \
+                (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+            return None
+        try:
+            from nanoserve.quant import triton_gemm
+        except ImportError:  # a CUDA install without Triton: the reference path
+            return None
+        args = self._kernel_args()
+        if args is None or args["fmt"] != triton_gemm.FP8:
+            return None
+        rows = triton_gemm.quantized_rows(x.shape[0], self.in_features, x.dtype, x.device,
+                                          args["scale_cols"], args["cublas_blocks"])
+        if rows is None:
+            return None
+        group = triton_gemm.activation_group(self.in_features, args["scale_cols"])
+        total, values, scales = triton_gemm.norm_quantize_activations(x, delta, weight, eps,
+                                                                      group, rows)
+        return total, QuantizedRows(values, scales, x.shape[0], x.dtype)
+
+    def _quantized_rows_forward(self, x: QuantizedRows) -> torch.Tensor:
+        from nanoserve.quant import triton_gemm  # norm_input made x: Triton is here
+
+        args = self._kernel_args()
+        y = triton_gemm.fp8_quantized_gemm(x.values, x.scales, x.rows, args["w"], args["scales"],
+                                           args["scale_row"], args["scale_cols"],
+                                           self.out_features, args["cublas_blocks"], x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def _kernel_args(self) -> dict | None:
         """The kernel's view of this layer's tensors, built once (per-output scale rows)."""

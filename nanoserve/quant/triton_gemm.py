@@ -167,12 +167,16 @@ def _fp8_gemm_kernel(X, XScale, W, Scales, ScaleRow, Y, Partials, Counters, M, N
 
 @triton.jit
 def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
-                          GROUP: tl.constexpr, GROUPS: tl.constexpr, SILU: tl.constexpr):
+                          GROUP: tl.constexpr, GROUPS: tl.constexpr, SILU: tl.constexpr,
+                          Delta=None, NormW=None, XSum=None, eps=0.0, NORM: tl.constexpr = False,
+                          HAS_DELTA: tl.constexpr = False):
     # program (m, c): row m's groups c * GROUPS .. (c + 1) * GROUPS - 1 (GROUPS a power of
     # two), e4m3 values and a scale per GROUP inputs, the scales stored group-major (XScale
     # [K / GROUP, rows], as cuBLAS takes them); rows from M on (padding) are zeros. SILU: the
     # row is [gate | up] (2K inputs) and x is silu(gate) * up, each rounded to x's dtype as
-    # torch's silu and product round them
+    # torch's silu and product round them. NORM (a whole row a program): x is RMSNorm(x +
+    # delta) with weight NormW, rounded as layers.add_rms_norm rounds it, x + delta (HAS_DELTA,
+    # rows stride_xm apart as x's) stored to XSum
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -183,6 +187,16 @@ def _quantize_rows_kernel(X, XQ, XScale, M, K, stride_xm, stride_qm, stride_sg,
         gate = x.to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
         x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    if NORM:
+        if HAS_DELTA:
+            delta = tl.load(Delta + m * stride_xm + offs, mask=ok & (m < M), other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+            tl.store(XSum + m * stride_xm + offs, x, mask=ok & (m < M))
+        h = x.to(tl.float32)
+        rms = tl.math.rsqrt(tl.sum(tl.sum(h * h, axis=1), axis=0) / K + eps)
+        h = (h * rms).to(x.dtype)
+        w = tl.load(NormW + offs, mask=ok, other=0.0)
+        x = (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype)
     x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
@@ -423,6 +437,26 @@ def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None,
     return xq, scales.t()
 
 
+def norm_quantize_activations(x: torch.Tensor, delta: torch.Tensor | None,
+                              weight: torch.Tensor, eps: float, group: int, rows: int
+                              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """quantize_activations of RMSNorm(x + delta) (layers.add_rms_norm's norm, weight [K] of
+    x's dtype; without delta of x) in one pass, the norm never written out: (x + delta, or None
+    without delta; e4m3 [rows, K]; scales as quantize_activations'). A program holds a whole
+    row (K up to 8,192 inputs: 64 registers a thread at 4 warps)."""
+    m, k = x.shape
+    assert delta is None or (delta.shape == x.shape and delta.stride() == x.stride())
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(k // group, rows, dtype=torch.float32, device=x.device)
+    total = None if delta is None else torch.empty_like(x)
+    groups = triton.next_power_of_2(k // group)
+    _quantize_rows_kernel[(rows, 1)](
+        x, xq, scales, m, k, x.stride(0), xq.stride(0), scales.stride(0), GROUP=group,
+        GROUPS=groups, SILU=False, Delta=delta, NormW=weight, XSum=total, eps=eps, NORM=True,
+        HAS_DELTA=delta is not None, num_warps=8 if groups > 32 else 4)
+    return total, xq, scales.t()
+
+
 def fp8_activations_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as the FP8 kernels see it: each row's groups of `group` inputs quantized to e4m3
     (scale: largest magnitude / 448) and scaled back, in float32."""
@@ -493,9 +527,7 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
               tiles: QuantTiles | None, quantize_x: bool | None = None,
               silu: bool = False) -> torch.Tensor:
     dtype = x.dtype
-    fp8_x = quantize_x
-    if fp8_x is None:  # decode's few rows: x as it is, one kernel (no quantization pass)
-        fp8_x = quantizes_x(x)
+    fp8_x = quantizes_x(x) if quantize_x is None else quantize_x
     if silu and not fp8_x:  # nothing reads x before the GEMM: silu(gate) * up first
         gate, up = x.chunk(2, dim=-1)
         x, silu = F.silu(gate) * up, False
@@ -505,16 +537,43 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         k //= 2
     block_k = activation_group(k, scale_cols)
     assert block_k is not None, (k, scale_cols)
-    x_scale = None
-    if fp8_x and cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(x.device, k):
-        # cuBLAS refuses row counts that are not a multiple of 16: zero rows pad them
-        x, x_scale = quantize_activations(x, block_k, rows=triton.cdiv(m, 16) * 16, silu=silu)
-        return torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=scales.t(),
+    if not fp8_x:  # decode's few rows: x as it is, one kernel (no quantization pass)
+        return fp8_gemm_launch(x, None, w, scales, scale_row, scale_cols, n, dtype,
+                               tiles or tiles_for(m, n, FP8, False), block_k)
+    rows = triton.cdiv(m, 16) * 16 if _cublas_fp8(m, k, cublas_blocks, x.device) else m
+    xq, xs = quantize_activations(x, block_k, rows=rows, silu=silu)
+    return fp8_quantized_gemm(xq, xs, m, w, scales, scale_row, scale_cols, n, cublas_blocks,
+                              dtype, tiles)
+
+
+def _cublas_fp8(m: int, k: int, cublas_blocks: bool, device: torch.device) -> bool:
+    return cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(device, k)
+
+
+def quantized_rows(m: int, k: int, dtype: torch.dtype, device: torch.device, scale_cols: int,
+                   cublas_blocks: bool) -> int | None:
+    """The rows FP8's product of m rows x (K = k, in dtype) quantizes x to, its activation
+    group's (`activation_group`): m, or m padded with zero rows to a multiple of 16 where
+    cuBLAS's block-scaled GEMM runs it (quant_gemm's `cublas_blocks`); None where x is not
+    quantized (`quantizes_x`) or no kernel takes the shape."""
+    if dtype == torch.float32 or m < WIDE_ROWS or activation_group(k, scale_cols) is None:
+        return None
+    return triton.cdiv(m, 16) * 16 if _cublas_fp8(m, k, cublas_blocks, device) else m
+
+
+def fp8_quantized_gemm(xq: torch.Tensor, xs: torch.Tensor, m: int, w: torch.Tensor,
+                       scales: torch.Tensor, scale_row: torch.Tensor | None, scale_cols: int,
+                       n: int, cublas_blocks: bool, dtype: torch.dtype,
+                       tiles: QuantTiles | None = None) -> torch.Tensor:
+    """The first m rows of x, quantized to `quantized_rows(m, ...)` rows (quantize_activations'
+    or norm_quantize_activations' e4m3 values xq and scales xs), times the FP8 weight as
+    quant_gemm takes it: y [m, n] in dtype."""
+    k = xq.shape[1]
+    if _cublas_fp8(m, k, cublas_blocks, xq.device):
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.t(),
                                 out_dtype=dtype)[:m]
-    if fp8_x:
-        x, x_scale = quantize_activations(x, block_k, silu=silu)
-    return fp8_gemm_launch(x, x_scale, w, scales, scale_row, scale_cols, n,
-                           dtype, tiles or tiles_for(m, n, FP8, fp8_x), block_k)
+    return fp8_gemm_launch(xq, xs, w, scales, scale_row, scale_cols, n, dtype,
+                           tiles or tiles_for(m, n, FP8, True), activation_group(k, scale_cols))
 
 
 def fp8_gemm_launch(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
