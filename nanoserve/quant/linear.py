@@ -3,7 +3,8 @@
 ones.
 
 On a GPU its product runs quant/triton_gemm.py's kernels (FP8 on FP8 tensor cores, x quantized
-per 128 inputs; the 4-bit formats dequantized inside the GEMM / GEMV; one row of AWQ or FP8
+per 128 inputs, by the norm ahead of the layer where that norm is handed the layer
+(`norm_input`); the 4-bit formats dequantized inside the GEMM / GEMV; one row of AWQ or FP8
 through quant/cuda_gemv.py's CUDA kernels where they build, unless NANOSERVE_ONE_ROW_CUDA=0);
 elsewhere, and where those do not take the rows, it dequantizes the weight and multiplies: the
 reference path, which the kernels are tested against.

@@ -4,9 +4,12 @@ their quantized size, once per row tile, and never written back dequantized.
 - FP8 (block-wise, per channel, per tensor): as the checkpoints declare (`activation_scheme:
   dynamic`) and as vLLM and SGLang run them, from WIDE_ROWS rows x is quantized too, to e4m3
   per row and 128 inputs (its scale: the group's largest magnitude over 448), in one pass
-  before the GEMM (`quantize_activations`; `fp8_activations_reference` is its torch twin), and
-  the product runs on FP8 tensor cores. Below WIDE_ROWS (batch-1 decode) the weight is widened
-  to x's dtype in the tile instead: one kernel, no quantization pass. `_fp8_gemm_kernel`:
+  before the GEMM (`quantize_activations`; `fp8_activations_reference` is its torch twin), or
+  by the kernel that makes x (the residual add and RMSNorm ahead of qkv and gate_up:
+  `norm_quantize_activations`; SiLU-and-mul ahead of down: `quantize_activations`' silu), and
+  the product runs on FP8 tensor cores (`fp8_quantized_gemm`). Below WIDE_ROWS (batch-1
+  decode) the weight is widened to x's dtype in the tile instead: one kernel, no quantization
+  pass. `_fp8_gemm_kernel`:
   acc += dot(xq, w) * x_scale[m] * w_scale[n] per step, a step never crossing a weight scale
   block, `scale_row` naming each output's row of the weight scales' grid (block-wise: its
   shard's block row, per channel: its own, per tensor: its shard's); decode's rows split K
