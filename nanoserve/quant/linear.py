@@ -208,15 +208,17 @@ class QuantizedLinear(nn.Module):
         (x + delta, or None without delta; the normed rows quantized), one kernel where there
         were a norm and a quantization pass, the norm never written out. None elsewhere (the
         caller norms, and this layer takes the result as usual)."""
-        if not x.is_cuda or x.dim() != 2 or x.shape[1] != self.in_features or \
-                not x.is_contiguous() or weight.dtype != x.dtype or \
-                self.input_order is not None or \
-                (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+        if not x.is_cuda or self.input_order is not None:
             return None
         try:
             from nanoserve.quant import triton_gemm
         except ImportError:  # a CUDA install without Triton: the reference path
             return None
+        if x.dim() != 2 or x.shape[0] < triton_gemm.WIDE_ROWS or \
+                x.shape[1] != self.in_features or not x.is_contiguous() or \
+                weight.dtype != x.dtype or \
+                (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+            return None  # (decode's single rows leave here, before the layer's arguments)
         args = self._kernel_args()
         if args is None or args["fmt"] != triton_gemm.FP8:
             return None
