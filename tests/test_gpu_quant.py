@@ -430,8 +430,8 @@ def test_silu_mul_quantized_in_the_activation_pass_equals_quantizing_its_result(
     silu_and_mul's result: the intermediate rounds to x's dtype as torch rounds it, so the e4m3
     bytes and scales agree but where Triton's exp moves it by a step of x's dtype (at most 1 in
     1,000 bytes; each within one e4m3 step, scales within 2^-7), and rows past M (the cuBLAS
-    path's padding) are zeros with scale 1e-12 / 448 (to 1e-6). Widths of 12 groups (4 warps a
-    row) and Qwen3-8B's 96 (8 warps)."""
+    path's padding) are zeros with scale 1e-12 / 448 (to 1e-6). Widths of 12 groups and
+    Qwen3-8B's 96 (QUANT_GROUPS a program: 2 and 12 programs a row)."""
     from nanoserve.models.layers import silu_and_mul
     from nanoserve.quant import triton_gemm as tg
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -524,11 +524,44 @@ def test_an_fp8_layers_norms_hand_its_projections_quantized_rows(source, tmp_pat
             ref = into(plain).float()
             assert passes == ([plain.shape] if rows >= 16 else [])
             assert ((got - ref).norm() / ref.norm()).item() < 1e-3, (rows, into)
+        was = fused.is_enabled()
         fused.set_enabled(False)
         try:
             assert isinstance(norm.add_forward(x, delta, into=into)[1], torch.Tensor)
         finally:
-            fused.set_enabled(True)
+            fused.set_enabled(was)
+
+
+@pytest.mark.parametrize("rows", [65, 300])
+@pytest.mark.parametrize("width", [4096, 5120])
+@torch.inference_mode()
+def test_the_norms_quantized_rows_run_cublas_as_quant_gemm_does(rows, width):
+    """From CUBLAS_ROWS rows on Hopper, the norm's quantized rows (padded to a multiple of 16:
+    quantized_rows) through fp8_quantized_gemm's cuBLAS block-scaled path give y [rows, N]
+    within 1e-3 (relative norm) of quant_gemm on the plain norm's output. Widths of 32 groups
+    and 40 (the norm pass at 8 warps)."""
+    from nanoserve.models.layers import add_rms_norm
+    from nanoserve.quant import triton_gemm as tg
+    device = torch.device("cuda")
+    if not tg.cublas_block_scaled(device, width):
+        pytest.skip("cuBLAS's block-scaled FP8 GEMM runs here on Hopper only")
+    gen = torch.Generator(device="cuda").manual_seed(rows + width)
+    x, delta = (torch.randn(2, rows, width, device="cuda", generator=gen) * 3).bfloat16()
+    weight = (torch.rand(width, device="cuda", generator=gen) + 0.5).bfloat16()
+    n = 768
+    w = (torch.randn(n, width, device="cuda", generator=gen) * 64).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    fp8 = dict(w=w, scales=torch.rand(n // 128, width // 128, device="cuda", generator=gen) * 1e-3,
+               scale_row=(torch.arange(n, device="cuda") // 128).to(torch.int32), scale_cols=128)
+    padded = tg.quantized_rows(rows, width, True, device)
+    assert padded == -(-rows // 16) * 16
+    _, xq, xs = tg.norm_quantize_activations(x, delta, weight, 1e-6, 128, padded)
+    got = tg.fp8_quantized_gemm(xq, xs, rows, **fp8, n=n, cublas_blocks=True,
+                                dtype=torch.bfloat16).float()
+    ref = tg.quant_gemm(add_rms_norm.eager(x, delta, weight, 1e-6)[1], tg.FP8, **fp8, n=n,
+                        cublas_blocks=True).float()
+    assert got.shape == ref.shape == (rows, n)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-3
 
 
 @pytest.mark.parametrize("silu", [False, True])

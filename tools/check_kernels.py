@@ -135,8 +135,9 @@ def cases():
 
 def quant_cases():
     """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with the weight widened (one
-    row), x quantized (16 and 128 rows; from [gate | up] too) and float32 x, K split and not;
-    the 4-bit formats' GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
+    row), x quantized (16 and 128 rows; from [gate | up] too; by the residual add and RMSNorm,
+    at 4,096 and 8,192 inputs: 4 and 8 warps) and float32 x, K split and not; the 4-bit
+    formats' GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
     from nanoserve.quant.triton_gemm import (
         AWQ,
         FP8,
@@ -162,11 +163,12 @@ def quant_cases():
     yield "FP8 activation quantization, a whole row a program, silu", lambda: \
         quantize_activations(torch.zeros(16, 2 * k, dtype=torch.bfloat16), 128, silu=True,
                              groups_per_program=k // 128)
-    for delta in (torch.zeros(16, k, dtype=torch.bfloat16), None):
-        yield f"FP8 activation quantization of RMSNorm, {'with' if delta is not None else 'no'}" \
-            " residual add", lambda d=delta: norm_quantize_activations(
-                torch.zeros(16, k, dtype=torch.bfloat16), d, torch.ones(k, dtype=torch.bfloat16),
-                1e-6, 128, 16)
+    for width, add in ((k, True), (k, False), (2 * k, True)):
+        yield f"FP8 activation quantization of RMSNorm, {width} inputs, residual add {add}", \
+            lambda w=width, a=add: norm_quantize_activations(
+                torch.zeros(16, w, dtype=torch.bfloat16),
+                torch.zeros(16, w, dtype=torch.bfloat16) if a else None,
+                torch.ones(w, dtype=torch.bfloat16), 1e-6, 128, 16)
     int4 = dict(zeros=torch.zeros(k // 128, n // 8, dtype=torch.int32),
                 scales=torch.ones(k // 128, n, dtype=torch.float16), n=n)
     formats = {"AWQ": dict(fmt=AWQ, w=torch.zeros(k, n // 8, dtype=torch.int32)),

@@ -12,6 +12,7 @@ reference path, which the kernels are tested against.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -24,8 +25,9 @@ from nanoserve.quant.formats import dequantize, fill_dummy, gptq_as_awq, tensor_
 
 class QuantizedRows(NamedTuple):
     """Rows x already in the form an FP8 layer's kernel takes them (QuantizedLinear.norm_input:
-    the norm ahead of the layer quantized its output): e4m3 values [padded rows, K], their
-    scales, the real row count and x's dtype."""
+    the norm ahead of the layer quantized its output): e4m3 values [padded rows, K]
+    (triton_gemm.quantized_rows), their float32 scales [padded rows, K / group] stored
+    group-major (strides 1, padded rows), the real row count and x's dtype."""
     values: torch.Tensor
     scales: torch.Tensor
     rows: int
@@ -184,19 +186,12 @@ class QuantizedLinear(nn.Module):
         triton_gemm.WIDE_ROWS rows): silu(gate) * up computed in that quantization pass, so no
         SiLU kernel runs ahead of it and its [rows, in_features] output is never written. None
         elsewhere: the caller runs silu and then this layer."""
-        if not gate_up.is_cuda or self.input_order is not None:
-            return None
-        try:
-            from nanoserve.quant import triton_gemm
-        except ImportError:  # a CUDA install without Triton: the reference path
-            return None
         x = gate_up.reshape(-1, gate_up.shape[-1])
-        args = self._kernel_args()
-        if x.shape[1] != 2 * self.in_features or args is None or \
-                args["fmt"] != triton_gemm.FP8 or not triton_gemm.quantizes_x(x) or \
-                not triton_gemm.supports(x[:, :self.in_features], triton_gemm.FP8,
-                                         self.in_features, args["scale_cols"], 128):
+        found = self._fp8_quantizing(x[:, :self.in_features]) \
+            if x.shape[1] == 2 * self.in_features else None
+        if found is None:
             return None
+        triton_gemm, args = found
         y = triton_gemm.quant_gemm(x, n=self.out_features, silu=True, **args)
         y = y if self.bias is None else y + self.bias
         return y.view(*gate_up.shape[:-1], self.out_features)
@@ -204,32 +199,39 @@ class QuantizedLinear(nn.Module):
     def norm_input(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor | None, QuantizedRows] | None:
         """RMSNorm(x + delta) (layers.add_rms_norm's; without delta of x) made straight into
-        this layer's input where its FP8 kernel quantizes x (quant/triton_gemm.quantized_rows):
+        this layer's input where its FP8 kernel quantizes x (`_fp8_quantizing`):
         (x + delta, or None without delta; the normed rows quantized), one kernel where there
         were a norm and a quantization pass, the norm never written out. None elsewhere (the
         caller norms, and this layer takes the result as usual)."""
+        found = self._fp8_quantizing(x)
+        if found is None or not x.is_contiguous() or weight.dtype != x.dtype or \
+                (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+            return None
+        triton_gemm, args = found
+        rows = triton_gemm.quantized_rows(x.shape[0], self.in_features, args["cublas_blocks"],
+                                          x.device)
+        group = triton_gemm.activation_group(self.in_features, args["scale_cols"])
+        total, values, scales = triton_gemm.norm_quantize_activations(x, delta, weight, eps,
+                                                                      group, rows)
+        return total, QuantizedRows(values, scales, x.shape[0], x.dtype)
+
+    def _fp8_quantizing(self, x: torch.Tensor) -> tuple[ModuleType, dict] | None:
+        """(quant/triton_gemm, this layer's kernel arguments) where its FP8 kernel quantizes
+        rows x [M, in_features] (from WIDE_ROWS rows of a half-precision x, where Triton reads
+        e4m3: sm_89 and later); None elsewhere."""
         if not x.is_cuda or self.input_order is not None:
             return None
         try:
             from nanoserve.quant import triton_gemm
         except ImportError:  # a CUDA install without Triton: the reference path
             return None
-        if x.dim() != 2 or x.shape[0] < triton_gemm.WIDE_ROWS or \
-                x.shape[1] != self.in_features or not x.is_contiguous() or \
-                weight.dtype != x.dtype or \
-                (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+        if x.dim() != 2 or not triton_gemm.quantizes_x(x):
             return None  # (decode's single rows leave here, before the layer's arguments)
         args = self._kernel_args()
-        if args is None or args["fmt"] != triton_gemm.FP8:
+        if args is None or args["fmt"] != triton_gemm.FP8 or not triton_gemm.supports(
+                x, triton_gemm.FP8, self.in_features, args["scale_cols"], 128):
             return None
-        rows = triton_gemm.quantized_rows(x.shape[0], self.in_features, x.dtype, x.device,
-                                          args["scale_cols"], args["cublas_blocks"])
-        if rows is None:
-            return None
-        group = triton_gemm.activation_group(self.in_features, args["scale_cols"])
-        total, values, scales = triton_gemm.norm_quantize_activations(x, delta, weight, eps,
-                                                                      group, rows)
-        return total, QuantizedRows(values, scales, x.shape[0], x.dtype)
+        return triton_gemm, args
 
     def _quantized_rows_forward(self, x: QuantizedRows) -> torch.Tensor:
         from nanoserve.quant import triton_gemm  # norm_input made x: Triton is here

@@ -446,7 +446,7 @@ def norm_quantize_activations(x: torch.Tensor, delta: torch.Tensor | None,
     """quantize_activations of RMSNorm(x + delta) (layers.add_rms_norm's norm, weight [K] of
     x's dtype; without delta of x) in one pass, the norm never written out: (x + delta, or None
     without delta; e4m3 [rows, K]; scales as quantize_activations'). A program holds a whole
-    row (K up to 8,192 inputs: 64 registers a thread at 4 warps)."""
+    row, 32 of its values a thread (4 warps up to 4,096 inputs, 8 to 8,192, 16 above)."""
     m, k = x.shape
     assert delta is None or (delta.shape == x.shape and delta.stride() == x.stride())
     xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -456,7 +456,7 @@ def norm_quantize_activations(x: torch.Tensor, delta: torch.Tensor | None,
     _quantize_rows_kernel[(rows, 1)](
         x, xq, scales, m, k, x.stride(0), xq.stride(0), scales.stride(0), GROUP=group,
         GROUPS=groups, SILU=False, Delta=delta, NormW=weight, XSum=total, eps=eps, NORM=True,
-        HAS_DELTA=delta is not None, num_warps=8 if groups > 32 else 4)
+        HAS_DELTA=delta is not None, num_warps=max(4, min(16, groups // 8)))
     return total, xq, scales.t()
 
 
@@ -543,8 +543,8 @@ def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if not fp8_x:  # decode's few rows: x as it is, one kernel (no quantization pass)
         return fp8_gemm_launch(x, None, w, scales, scale_row, scale_cols, n, dtype,
                                tiles or tiles_for(m, n, FP8, False), block_k)
-    rows = triton.cdiv(m, 16) * 16 if _cublas_fp8(m, k, cublas_blocks, x.device) else m
-    xq, xs = quantize_activations(x, block_k, rows=rows, silu=silu)
+    xq, xs = quantize_activations(x, block_k, rows=quantized_rows(m, k, cublas_blocks, x.device),
+                                  silu=silu)
     return fp8_quantized_gemm(xq, xs, m, w, scales, scale_row, scale_cols, n, cublas_blocks,
                               dtype, tiles)
 
@@ -553,14 +553,10 @@ def _cublas_fp8(m: int, k: int, cublas_blocks: bool, device: torch.device) -> bo
     return cublas_blocks and m >= CUBLAS_ROWS and cublas_block_scaled(device, k)
 
 
-def quantized_rows(m: int, k: int, dtype: torch.dtype, device: torch.device, scale_cols: int,
-                   cublas_blocks: bool) -> int | None:
-    """The rows FP8's product of m rows x (K = k, in dtype) quantizes x to, its activation
-    group's (`activation_group`): m, or m padded with zero rows to a multiple of 16 where
-    cuBLAS's block-scaled GEMM runs it (quant_gemm's `cublas_blocks`); None where x is not
-    quantized (`quantizes_x`) or no kernel takes the shape."""
-    if dtype == torch.float32 or m < WIDE_ROWS or activation_group(k, scale_cols) is None:
-        return None
+def quantized_rows(m: int, k: int, cublas_blocks: bool, device: torch.device) -> int:
+    """The rows FP8's product of m rows (K = k) quantizes x to, where it quantizes x
+    (`quantizes_x`): m, or m padded with zero rows to a multiple of 16 where cuBLAS's
+    block-scaled GEMM runs it (quant_gemm's `cublas_blocks`)."""
     return triton.cdiv(m, 16) * 16 if _cublas_fp8(m, k, cublas_blocks, device) else m
 
 
@@ -575,7 +571,7 @@ def fp8_quantized_gemm(xq: torch.Tensor, xs: torch.Tensor, m: int, w: torch.Tens
     if _cublas_fp8(m, k, cublas_blocks, xq.device):
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales.t(),
                                 out_dtype=dtype)[:m]
-    return fp8_gemm_launch(xq, xs, w, scales, scale_row, scale_cols, n, dtype,
+    return fp8_gemm_launch(xq[:m], xs[:m], w, scales, scale_row, scale_cols, n, dtype,
                            tiles or tiles_for(m, n, FP8, True), activation_group(k, scale_cols))
 
 
