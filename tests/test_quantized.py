@@ -80,6 +80,40 @@ def test_transformers_own_reading_of_an_fp8_checkpoint_gives_the_same_logits(sou
     assert (ours - ref).abs().max().item() < 2e-4
 
 
+def test_the_decoders_norms_are_handed_the_projection_they_feed(source, tmp_path, monkeypatch):
+    """Each decoder layer hands its input norm qkv_proj and its post-attention norm gate_up_proj
+    (RMSNorm's `into`; on a GPU, QuantizedLinear.norm_input quantizes the norm in its own pass),
+    and what norm_input hands back reaches that projection. With norm_input standing in for
+    the GPU's pass on the CPU (the eager norm, tagged as QuantizedRows) and the projection
+    taking those rows back through its dequantized weight, an FP8 model's prefill logits equal
+    the plain run's bit for bit, and every layer asked exactly its two projections: with x +
+    delta from the second layer on, without it in the first layer's input norm."""
+    import torch.nn.functional as F
+
+    from nanoserve.models.layers import add_rms_norm, rms_norm
+    from nanoserve.quant.linear import QuantizedRows
+    quantize_checkpoint(source, tmp_path, "fp8_block")
+    llm = make_llm(tmp_path, page_size=8)
+    ids = random_prompts(1, [29], seed=7)[0]
+    plain = engine_prefill_logits(llm, ids)
+    asked = []
+
+    def norm_input(self, x, delta, weight, eps):
+        asked.append((self, delta is not None))
+        total, h = (None, rms_norm.eager(x, weight, eps)) if delta is None else \
+            add_rms_norm.eager(x, delta, weight, eps)
+        return total, QuantizedRows(h, torch.empty(0), x.shape[0], x.dtype)
+
+    monkeypatch.setattr(QuantizedLinear, "norm_input", norm_input)
+    monkeypatch.setattr(QuantizedLinear, "_quantized_rows_forward", lambda self, rows: F.linear(
+        rows.values, self.dequantized(rows.dtype), self.bias))
+    handed = engine_prefill_logits(llm, ids)
+    assert torch.equal(handed, plain)
+    layers = llm.engine.runner.model.model.layers
+    assert asked == [pair for i, layer in enumerate(layers) for pair in (
+        (layer.self_attn.qkv_proj, i > 0), (layer.mlp.gate_up_proj, True))]
+
+
 def test_the_weights_stay_quantized_in_memory(quantized):
     """The linear layers hold their checkpoint's tensors (fp8 or packed int32, a quarter or a
     half of float32's bytes with the scales; GPTQ in groups of 32 repacked as AWQ's, act-order
