@@ -556,7 +556,8 @@ def _cublas_fp8(m: int, k: int, cublas_blocks: bool, device: torch.device) -> bo
 def quantized_rows(m: int, k: int, cublas_blocks: bool, device: torch.device) -> int:
     """The rows FP8's product of m rows (K = k) quantizes x to, where it quantizes x
     (`quantizes_x`): m, or m padded with zero rows to a multiple of 16 where cuBLAS's
-    block-scaled GEMM runs it (quant_gemm's `cublas_blocks`)."""
+    block-scaled GEMM runs it (quant_gemm's `cublas_blocks`: cuBLAS refuses other row
+    counts)."""
     return triton.cdiv(m, 16) * 16 if _cublas_fp8(m, k, cublas_blocks, device) else m
 
 
