@@ -325,13 +325,15 @@ def _int4_gemv_kernel(X, W, Scales, Zeros, Y, Partials, Counters, N, K, stride_w
 def _awq_mma_kernel(X, W, Scales, Zeros, Y, Partials, Counters, M, N, K, stride_xm, stride_w,
                     stride_s, stride_z, group, MAGIC: tl.constexpr, MAGIC_F: tl.constexpr,
                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
     # AWQ, bf16 / fp16 x, decode's rows on tensor cores. Nibbles i and i + 4 of a word (AWQ's
     # order puts outputs 2 i and 2 i + 1 there) become two 16-bit floats in one step:
     # (word >> 4 i) & 0x000F000F | MAGIC holds MAGIC_F + q in each half (bf16 0x4300: 128 + q,
     # fp16 0x6400: 1024 + q; exact, no integer conversion), and the offset comes off with the
     # zero point once a group: acc += (dot(x, MAGIC_F + q) - sum(x) (MAGIC_F + z)) s. Program
-    # (m, n, s): the s-th of SPLIT_K parts of K (_store_split)
+    # (m, n, s): the s-th of SPLIT_K parts of K (_store_split). EVEN_N (N a multiple of
+    # BLOCK_N): the weight's words load unmasked, so in 16-byte copies (a mask along them split
+    # the copies into 4-byte ones: sm_90 PTX, session 38)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_start = tl.multiple_of(pid_k * (K // SPLIT_K), BLOCK_K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -347,7 +349,10 @@ def _awq_mma_kernel(X, W, Scales, Zeros, Y, Partials, Counters, M, N, K, stride_
     for k0 in range(k_start, k_start + K // SPLIT_K, BLOCK_K):  # a step within one group
         g = k0 // group
         x = tl.load(x_at, mask=m_ok[:, None], other=0.0)
-        word = tl.load(w_at, mask=w_ok[None, :], other=0)
+        if EVEN_N:
+            word = tl.load(w_at)
+        else:
+            word = tl.load(w_at, mask=w_ok[None, :], other=0)
         v = tl.reshape((word[:, :, None] >> (4 * i4)[None, None, :]) & 0x000F000F | MAGIC,
                        [BLOCK_K, BLOCK_N // 2])
         lo = v.to(tl.int16).to(x.dtype, bitcast=True)
@@ -516,7 +521,8 @@ def quant_gemm(x: torch.Tensor, fmt: int, w: torch.Tensor, scales: torch.Tensor,
         _awq_mma_kernel[grid](x, w, scales, zeros, y, *split_buffers(y, split, grid), m, n, k,
                               x.stride(0), w.stride(0), scales.stride(0), zeros.stride(0),
                               group, **_MAGIC[x.dtype], SPLIT_K=split, BLOCK_M=tiles.block_m,
-                              BLOCK_N=tiles.block_n, BLOCK_K=block_k, **launch)
+                              BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+                              EVEN_N=n % tiles.block_n == 0, **launch)
         return y
     g_idx = scales if g_idx is None else g_idx
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
