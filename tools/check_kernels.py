@@ -7,13 +7,22 @@ own environment (the project's test environment has none):
 
     python -m venv /tmp/tv && . /tmp/tv/bin/activate
     pip install torch==2.13.0 triton==3.6.0 && pip install -e .
-    python tools/check_kernels.py [--pdl]
+    python tools/check_kernels.py [--pdl] [--ptxas]
+
+--ptxas (needs the CUDA toolkit's ptxas) also prints each kernel's registers, spills and
+cp.async copies narrower than 16 bytes: a tile whose alignment the compiler cannot prove is
+copied in 4-byte pieces, at more registers (FP8's K split until session 38: 245 registers and 96
+narrow copies against 165 and none).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -44,17 +53,17 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def compile_only(capability: int = 90, shared: list | None = None) -> None:
+def compile_only(capability: int = 90, compiled: list | None = None) -> None:
     """From here on, launching a Triton kernel compiles it for sm_`capability` and returns;
-    each compiled kernel's (name, shared memory bytes) is appended to `shared`."""
+    each compiled kernel's (name, compiled kernel) is appended to `compiled`."""
     _CompileOnlyDriver.capability = capability
     driver.set_active(_CompileOnlyDriver())
     run = jit.JITFunction.run
 
     def warmup_run(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        if shared is not None:
-            shared.append((self.fn.__name__, kernel.metadata.shared))
+        if compiled is not None:
+            compiled.append((self.fn.__name__, kernel))
         return kernel
 
     jit.JITFunction.run = warmup_run
@@ -135,7 +144,7 @@ def cases():
 
 def quant_cases():
     """The quantized-weight kernels at a 4096 x 4096 weight: FP8 with the weight widened (one
-    row), x quantized (16 and 128 rows; from [gate | up] too; by the residual add and RMSNorm,
+    row), x quantized (16, 64 and 128 rows; from [gate | up] too; by the residual add and RMSNorm,
     at 4,096 and 8,192 inputs: 4 and 8 warps) and float32 x, K split and not; the 4-bit
     formats' GEMV (one row) and GEMM (16 rows; GPTQ with act-order too)."""
     from nanoserve.quant.triton_gemm import (
@@ -154,8 +163,8 @@ def quant_cases():
     fp8 = dict(fmt=FP8, w=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
                scales=torch.ones(n // 128, k // 128), scale_row=torch.zeros(n, dtype=torch.int32),
                scale_cols=128, n=n)
-    for rows, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (128, torch.bfloat16),
-                        (16, torch.float32)):
+    for rows, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (64, torch.bfloat16),
+                        (128, torch.bfloat16), (16, torch.float32)):
         yield f"quantized GEMM, FP8 block-wise, {rows} rows {dtype}", lambda r=rows, d=dtype: \
             quant_gemm(torch.zeros(r, k, dtype=d), **fp8)
     yield "quantized GEMM, FP8 block-wise, silu(gate) * up quantized, 16 rows", lambda: \
@@ -227,33 +236,55 @@ def moe_cases():
                 torch.ones(experts, hidden // 128, inter // 128)))
 
 
+def ptxas_report(kernel, capability: int) -> str:
+    """ptxas's registers and spill stores for a compiled kernel's PTX, and its cp.async copies
+    under 16 bytes (`.ca`: 4 or 8 bytes; a 16-byte copy is `.cg`)."""
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "kernel.ptx")
+        path.write_text(ptx)
+        arch = f"sm_{capability}{'a' if capability == 90 else ''}"
+        out = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(path), "-o",
+                              str(Path(d, "kernel.o"))], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spilled = re.search(r"(\d+) bytes spill stores", out)
+    return (f"{regs.group(1) if regs else '?'} registers, "
+            f"{spilled.group(1) if spilled else '?'} bytes spilled, "
+            f"{ptx.count('cp.async.ca.')} copies under 16 bytes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT),
                     help="compute capability to compile for (89: an L4 / L40 / RTX 4090)")
     ap.add_argument("--pdl", action="store_true",
                     help="compile the kernels with PDL, as sm_90 and later launch them")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="also each kernel's registers, spills and narrow copies (ptxas)")
     args = ap.parse_args()
     capability = args.capability
-    shared: list[tuple[str, int]] = []
-    compile_only(capability, shared)
+    compiled: list[tuple[str, object]] = []
+    compile_only(capability, compiled)
     if args.pdl:
         from nanoserve import pdl
         pdl.wanted = lambda t: True
     failed = 0
     for name, launch in cases():
-        shared.clear()
+        compiled.clear()
         if capability < 89 and ("FP8" in name or "float8" in name):
             print(f"skip    {name}: no e4m3 before sm_89 (the engine refuses FP8 KV there and "
                   f"runs FP8 weights dequantized)")
             continue
         try:
             launch()
-            over = [(k, b) for k, b in shared if b > SHARED_LIMIT[capability]]
+            over = [(k, c.metadata.shared) for k, c in compiled
+                    if c.metadata.shared > SHARED_LIMIT[capability]]
             if over:
                 raise RuntimeError(f"shared memory over the sm_{capability} limit of "
                                    f"{SHARED_LIMIT[capability]} bytes: {over}")
             print(f"ok      {name}")
+            for kernel_name, kernel in compiled if args.ptxas else ():
+                print(f"          {kernel_name}: {ptxas_report(kernel, capability)}")
         except Exception as e:  # noqa: BLE001 - every compile error is reported, then the next
             failed += 1
             print(f"FAILED  {name}: {type(e).__name__}: {str(e)[:2000]}")
