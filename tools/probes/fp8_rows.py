@@ -1,6 +1,7 @@
 """Where FP8's product of a few rows (batched decode: 16-64 rows) spends its time, on Qwen3-8B's
 shapes: the activation quantization pass alone, the GEMM kernel alone on x already quantized
-(the default tiles, and a few others), the whole quant_gemm, and bf16 cuBLAS on the same
+(the default tiles; at 64 rows a few others, below 64 the default with a 64-row tile: wgmma
+in e4m3 rather than mma.sync in f16), the whole quant_gemm, and bf16 cuBLAS on the same
 product; each against the floor of the weight's bytes at a device copy's rate measured here.
 CUDA graphs cycling over enough weight copies that none stays in L2. `--ncu`: instead, each
 shape's default GEMM launched twice (for Nsight Compute: `-k regex:_fp8_gemm_kernel`).
@@ -45,7 +46,10 @@ def one_shape(name: str, n: int, k: int, rows: int, copies: list[dict],
           f"({whole / floor:.2f}x) = pass {quant:5.1f} + GEMM {alone:6.1f} "
           f"({alone / floor:.2f}x, {tuple(default)}) | bf16 cuBLAS {cublas:6.1f} "
           f"({cublas / floor / 2:.2f}x its floor)", flush=True)
-    if rows != 64:
+    if rows < 64:  # the default's tile at 64 rows: wgmma in e4m3, not mma.sync in f16
+        wide = default._replace(block_m=64)
+        us = graph_time_us([lambda a=a: gemm(xq, xs, a, n, wide) for a in copies])
+        print(f"    GEMM {tuple(wide)}: {us:6.1f} us ({us / floor:.2f}x)", flush=True)
         return
     for t in OTHER_TILES:
         try:
