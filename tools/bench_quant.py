@@ -101,9 +101,12 @@ def candidates(rows: int, fmt: int) -> list[tuple[str, object]]:
     if fmt == tg.FP8 and rows <= tg.SKINNY_ROWS:
         # a 64-row tile at fewer rows too: below 64 Triton (3.6, sm_90) runs the dot on mma.sync
         # in f16, the e4m3 widened; at 64 on wgmma in e4m3 (check_kernels' PTX, session 38)
-        for quant, bm, split, bn, s in itertools.product(
-                (True, False), sorted({block_m, 64}), (1, 2, 4, 8), (16, 32, 64), (3, 4, 6)):
-            t = tg.QuantTiles(bm, bn, 128, 4, s, split)
+        for quant, bm, split, bn, s, w in itertools.product(
+                (True, False), sorted({block_m, 64}), (1, 2, 4, 8), (16, 32, 64, 128),
+                (3, 4, 6, 8), (4, 8)):
+            if w == 8 and not quant:  # 8 warps only with x in e4m3
+                continue
+            t = tg.QuantTiles(bm, bn, 128, w, s, split)
             out.append((f"{'xq' if quant else 'wide'} {tuple(t)}", fp8(t, quant)))
         return out
     if rows == 1 and fmt != tg.FP8:

@@ -58,11 +58,12 @@ for w in $what; do
         >"$OUT/pytest_$w.log" 2>&1
       tr '\r' '\n' <"$OUT/pytest_$w.log" | grep -E "^=== |[0-9]+ (passed|failed|skipped|errors?)|FAIL|Error|ERROR|tokens_per_s|^E  |^ *[0-9.]+ +[0-9]+ +(PASS|FAIL)|^[0-9.]+s (call|setup)" | tail -60 ;;
     ab)  # AB_FILE's version here ("new") and AB_OTHER's ("old") alternately under AB_CMD, in
-         # AB_ORDER (default new old new old), each run's last AB_TAIL lines (default 3); AB_FILE
-         # is put back as it was
+         # AB_ORDER (default new old new old; an entry may also name a third version's file),
+         # each run's last AB_TAIL lines (default 3); AB_FILE is put back as it was
       cp "$AB_FILE" /tmp/ab_new
       for v in ${AB_ORDER:-new old new old}; do
-        if [ "$v" = old ]; then cp "$AB_OTHER" "$AB_FILE"; else cp /tmp/ab_new "$AB_FILE"; fi
+        if [ "$v" = old ]; then cp "$AB_OTHER" "$AB_FILE"
+        elif [ "$v" = new ]; then cp /tmp/ab_new "$AB_FILE"; else cp "$v" "$AB_FILE"; fi
         run bash -c "$AB_CMD" 2>&1 | grep -v -E "(it|tok)/s\]" | tail -"${AB_TAIL:-3}" \
           | sed "s/^/$v /"
       done
