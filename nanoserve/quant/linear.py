@@ -161,9 +161,8 @@ class QuantizedLinear(nn.Module):
         build, take the shape and are not switched off, the rest through Triton's
         (quant/triton_gemm.py); None where no kernel takes them (quant/triton_gemm.supports) or
         this layer (a fused GPTQ layer whose shards' g_idx differ)."""
-        try:
-            from nanoserve.quant import triton_gemm
-        except ImportError:  # a CUDA install without Triton: the reference path
+        triton_gemm = _triton_gemm()
+        if triton_gemm is None:
             return None
         args = self._kernel_args()
         x = x.contiguous()
@@ -219,13 +218,8 @@ class QuantizedLinear(nn.Module):
         """(quant/triton_gemm, this layer's kernel arguments) where its FP8 kernel quantizes
         rows x [M, in_features] (from WIDE_ROWS rows of a half-precision x, where Triton reads
         e4m3: sm_89 and later); None elsewhere."""
-        if not x.is_cuda or self.input_order is not None:
-            return None
-        try:
-            from nanoserve.quant import triton_gemm
-        except ImportError:  # a CUDA install without Triton: the reference path
-            return None
-        if x.dim() != 2 or not triton_gemm.quantizes_x(x):
+        triton_gemm = _triton_gemm() if x.is_cuda and self.input_order is None else None
+        if triton_gemm is None or x.dim() != 2 or not triton_gemm.quantizes_x(x):
             return None  # (decode's single rows leave here, before the layer's arguments)
         args = self._kernel_args()
         if args is None or args["fmt"] != triton_gemm.FP8 or not triton_gemm.supports(
@@ -285,3 +279,12 @@ class QuantizedLinear(nn.Module):
             args = None
         self._args_key, self._args = key, args
         return args
+
+
+def _triton_gemm() -> ModuleType | None:
+    """quant/triton_gemm, or None on a CUDA install without Triton (the reference path)."""
+    try:
+        from nanoserve.quant import triton_gemm
+    except ImportError:
+        return None
+    return triton_gemm
