@@ -376,8 +376,10 @@ for w in $what; do
       run python3 tools/probes/quantize_pass.py ${QUANTPASS_ARGS:-} 2>&1 \
         | tee "$OUT/quantize_pass.log" ;;
     fp8rows)  # issue 36: FP8's product of 16-64 rows piece by piece (tools/probes/fp8_rows.py:
-              # quantization pass, GEMM alone, bf16 cuBLAS; other tiles at 64 rows, a 64-row
-              # tile below), then Nsight Compute on the 64-row GEMM of each shape (FP8ROWS_ARGS)
+              # quantization pass, GEMM alone, bf16 cuBLAS, a K-split shape's programs unsplit;
+              # other tiles at 64 rows, a 64-row tile below), then Nsight Compute on the 64-row
+              # GEMM of each shape (FP8ROWS_ARGS; the two take about 5 minutes on an H100: run
+              # it alone or in `bg`)
       run python3 tools/probes/fp8_rows.py ${FP8ROWS_ARGS:-} 2>&1 | tee "$OUT/fp8_rows.log"
       run ncu --clock-control none -k regex:_fp8_gemm_kernel --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

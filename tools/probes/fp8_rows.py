@@ -3,6 +3,9 @@ shapes: the activation quantization pass alone, the GEMM kernel alone on x alrea
 (the default tiles; at 64 rows a few others, below 64 the default with a 64-row tile: wgmma
 in e4m3 rather than mma.sync in f16), the whole quant_gemm, and bf16 cuBLAS on the same
 product; each against the floor of the weight's bytes at a device copy's rate measured here.
+Where the default splits K over S programs, also the same programs and weight bytes without the
+split: the default tile, split 1, on a weight of S n outputs and k / S inputs (no float32
+partials written, no last program summing them; x's bytes 1 / S).
 CUDA graphs cycling over enough weight copies that none stays in L2. `--ncu`: instead, each
 shape's default GEMM launched twice (for Nsight Compute: `-k regex:_fp8_gemm_kernel`).
 Usage (GPU):
@@ -34,7 +37,7 @@ def gemm(xq, xs, a, n, tiles):
 
 
 def one_shape(name: str, n: int, k: int, rows: int, copies: list[dict],
-              bf16: list[torch.Tensor], floor: float) -> None:
+              bf16: list[torch.Tensor], floor: float, unsplit: list[dict]) -> None:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     xq, xs = tg.quantize_activations(x, tg.FP8_GROUP)
     quant = graph_time_us([lambda: tg.quantize_activations(x, tg.FP8_GROUP)] * 8)
@@ -46,6 +49,13 @@ def one_shape(name: str, n: int, k: int, rows: int, copies: list[dict],
           f"({whole / floor:.2f}x) = pass {quant:5.1f} + GEMM {alone:6.1f} "
           f"({alone / floor:.2f}x, {tuple(default)}) | bf16 cuBLAS {cublas:6.1f} "
           f"({cublas / floor / 2:.2f}x its floor)", flush=True)
+    s = default.split_k
+    if s > 1 and unsplit and unsplit[0]["w"].shape == (n * s, k // s):
+        uq, uq_scales = tg.quantize_activations(x[:, :k // s].contiguous(), tg.FP8_GROUP)
+        us = graph_time_us([lambda a=a: gemm(uq, uq_scales, a, n * s,
+                                             default._replace(split_k=1)) for a in unsplit])
+        print(f"    the same programs unsplit ([{n * s}, {k // s}], split 1): {us:6.1f} us "
+              f"({us / floor:.2f}x)", flush=True)
     if rows < 64:  # the default's tile at 64 rows: wgmma in e4m3, not mma.sync in f16
         wide = default._replace(block_m=64)
         us = graph_time_us([lambda a=a: gemm(xq, xs, a, n, wide) for a in copies])
@@ -89,8 +99,10 @@ def main() -> None:
         bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 for _ in range(max(1, SPAN // (2 * n * k)))]
         floor = nbytes / rate / 1e3
+        s = tg.tiles_for(64, n).split_k
+        unsplit = [weights("fp8", n * s, k // s)[0] for _ in copies] if s > 1 else []
         for rows in map(int, args.rows.split(",")):
-            one_shape(name, n, k, rows, copies, bf16, floor)
+            one_shape(name, n, k, rows, copies, bf16, floor, unsplit)
 
 
 if __name__ == "__main__":
