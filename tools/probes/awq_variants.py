@@ -6,8 +6,11 @@ an SM (AWQ_CTAS_PER_SM); its K split is num_splits' for C CTAs an SM, or each of
 13 for sm_90 gives 4x3 (the engine's) 168 registers, 8x2 128, both without spills; 4x4 and
 8x3 spill. Each variant's product is checked against float64's with formats.dequantize's
 weight (within 2^-8 of the largest output) before it is timed in CUDA graphs over copies of the
-weight past L2. Usage (GPU):
-    python tools/probes/awq_variants.py [--variants 4x3,8x2] [--splits 8,16]
+weight past L2. A variant WxC:FILE is built from another copy of awq_gemv.cu (an untracked file
+at the repo root, say `git show REV:nanoserve/quant/csrc/awq_gemv.cu > ab_awq_old.cu`): its
+products must equal the first variant's bit for bit, the A/B of a change that keeps the
+arithmetic. Usage (GPU):
+    python tools/probes/awq_variants.py [--variants 4x3,8x2,4x3:ab_awq_old.cu] [--splits 8,16]
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from nanoserve.quant.formats import dequantize  # noqa: E402
 from nanoserve.quant.triton_gemm import split_buffers  # noqa: E402
 
 
-def build(warps: int, per_sm: int):
-    """The engine's quantized one-row module built with this variant's macros."""
+def build(warps: int, per_sm: int, source: str = ""):
+    """The engine's quantized one-row module built with this variant's macros (and `source`
+    for awq_gemv.cu, where given)."""
     csrc = cuda_gemv.CSRC
     flags = ["-O3", f"-DAWQ_WARPS={warps}", f"-DAWQ_CTAS_PER_SM={per_sm}"]
-    return load_extension(f"nanoserve_probe_awq_{warps}x{per_sm}",
-                          [csrc / "gemv_binding.cpp", csrc / "awq_gemv.cu", csrc / "plain_gemv.cu"],
-                          f"the AWQ GEMV as {warps}x{per_sm}", extra_cflags=["-O3"],
+    awq = Path(source).resolve() if source else csrc / "awq_gemv.cu"
+    tag = f"_{awq.stem}" if source else ""
+    return load_extension(f"nanoserve_probe_awq_{warps}x{per_sm}{tag}",
+                          [csrc / "gemv_binding.cpp", awq, csrc / "plain_gemv.cu"],
+                          f"the AWQ GEMV as {warps}x{per_sm}{tag}", extra_cflags=["-O3"],
                           extra_cuda_cflags=flags,
                           extra_include_paths=[str(csrc), str(COMMON_CSRC)])
 
@@ -58,7 +64,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = [tuple(int(v) for v in s.split("x")) for s in args.variants.split(",")]
+    variants = []
+    for spec in args.variants.split(","):
+        shape, _, source = spec.partition(":")
+        variants.append((*(int(v) for v in shape.split("x")), source))
     exts = {v: build(*v) for v in variants}
     extra = [int(s) for s in args.splits.split(",") if s]
     print(f"{torch.cuda.get_device_name()}: AWQ group 128, x bf16; us a call in CUDA graphs "
@@ -73,18 +82,22 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ dense.T
         slices = -(-n // cuda_gemv.AWQ_OUTS)
-        cells = []
-        for (warps, per_sm), ext in exts.items():
+        cells, first = [], {}  # split -> the first variant's product
+        for (warps, per_sm, source), ext in exts.items():
             chosen = cuda_gemv.num_splits(slices, k // 128, per_sm * sms)
             times = []
             for split in [chosen] + [s for s in extra if s != chosen and s <= k // 128]:
                 err = ((gemv(ext, x, one, split).double() - ref).abs().max() /
                        ref.abs().max()).item()
                 assert err < 2**-8, (name, warps, per_sm, split, err)
+                if source and split in first:  # another copy of the kernel: the same bits
+                    assert torch.equal(gemv(ext, x, one, split), first[split]), (name, source)
+                first.setdefault(split, gemv(ext, x, one, split))
                 us = graph_time_us([lambda a=a, e=ext, s=split, x=x: gemv(e, x, a, s)
                                     for a in copies])
                 times.append(f"{us:5.1f} ({split})")
-            cells.append(f"{warps}x{per_sm}: " + " ".join(times))
+            cells.append(f"{warps}x{per_sm}{':' + source if source else ''}: " +
+                         " ".join(times))
         print(f"{name:8s} {nbytes / 1e6:5.1f} MB | " + " | ".join(cells), flush=True)
 
 
