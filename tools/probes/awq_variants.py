@@ -8,8 +8,8 @@ an SM (AWQ_CTAS_PER_SM); its K split is num_splits' for C CTAs an SM, or each of
 weight (within 2^-8 of the largest output) before it is timed in CUDA graphs over copies of the
 weight past L2. A variant WxC:FILE is built from another copy of awq_gemv.cu (an untracked file
 at the repo root, say `git show REV:nanoserve/quant/csrc/awq_gemv.cu > ab_awq_old.cu`): its
-products must equal the first variant's bit for bit, the A/B of a change that keeps the
-arithmetic. Usage (GPU):
+products must equal those of the variant WxC named before it bit for bit, the A/B of a change
+that keeps the arithmetic. Usage (GPU):
     python tools/probes/awq_variants.py [--variants 4x3,8x2,4x3:ab_awq_old.cu] [--splits 8,16]
 """
 
@@ -82,7 +82,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ dense.T
         slices = -(-n // cuda_gemv.AWQ_OUTS)
-        cells, first = [], {}  # split -> the first variant's product
+        cells, plain = [], {}  # (warps, per_sm, split) -> the tree's kernel's product
         for (warps, per_sm, source), ext in exts.items():
             chosen = cuda_gemv.num_splits(slices, k // 128, per_sm * sms)
             times = []
@@ -90,9 +90,11 @@ def main() -> None:
                 err = ((gemv(ext, x, one, split).double() - ref).abs().max() /
                        ref.abs().max()).item()
                 assert err < 2**-8, (name, warps, per_sm, split, err)
-                if source and split in first:  # another copy of the kernel: the same bits
-                    assert torch.equal(gemv(ext, x, one, split), first[split]), (name, source)
-                first.setdefault(split, gemv(ext, x, one, split))
+                key = (warps, per_sm, split)
+                if not source:
+                    plain[key] = gemv(ext, x, one, split)
+                elif key in plain:  # another copy of the kernel: the same bits
+                    assert torch.equal(gemv(ext, x, one, split), plain[key]), (name, source)
                 us = graph_time_us([lambda a=a, e=ext, s=split, x=x: gemv(e, x, a, s)
                                     for a in copies])
                 times.append(f"{us:5.1f} ({split})")
