@@ -166,7 +166,7 @@ def _decode_split_kernel(
     IN_PAGE: tl.constexpr, DIRECT: tl.constexpr, TRANSPOSED: tl.constexpr,
     HAS_STARTS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -273,6 +273,7 @@ def _decode_split_kernel(
         acc = acc * _per_head(alpha, TRANSPOSED) + pv
         m = m_new
 
+    pdl.let_next_start(PDL)
     has_work = tile_hi > tile_lo
     safe_l = tl.where(l_sum > 0, l_sum, 1.0)
     out = tl.where(has_work, acc / _per_head(safe_l, TRANSPOSED), 0.0)

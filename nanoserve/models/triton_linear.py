@@ -44,7 +44,7 @@ def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_y
                           PDL: tl.constexpr):
     # BLOCK_R: the rows x is read and worked on in (1 for one row with SiLU-multiply: its work
     # skips the dot's padding rows), BLOCK_M: the dot's (at least 16)
-    pdl.start(PDL)
+    pdl.wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -68,6 +68,7 @@ def _skinny_linear_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_y
         acc = tl.dot(x, tl.trans(w), acc)
         x_at += BLOCK_K
         w_at += BLOCK_K
+    pdl.let_next_start(PDL)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
