@@ -12,7 +12,9 @@ own environment (the project's test environment has none):
 --ptxas (needs the CUDA toolkit's ptxas) also prints each kernel's registers, spills and
 cp.async copies narrower than 16 bytes: a tile whose alignment the compiler cannot prove is
 copied in 4-byte pieces, at more registers (FP8's K split until session 38: 245 registers and 96
-narrow copies against 165 and none).
+narrow copies against 165 and none). --pdl compiles the kernels as sm_90 launches them, with
+programmatic dependent launch, and says where each lets the next kernel start: first thing, or
+after its last loop (what a kernel that streams should do; nanoserve/pdl.py).
 """
 
 from __future__ import annotations
@@ -253,12 +255,38 @@ def ptxas_report(kernel, capability: int) -> str:
             f"{ptx.count('cp.async.ca.')} copies under 16 bytes")
 
 
+def pdl_report(kernel) -> str:
+    """Where a kernel compiled with PDL lets the next kernel start, against its loops (the PTX's
+    backward branches): first thing (a short kernel, pdl.start) or after its last loop (a kernel
+    that streams, pdl.let_next_start: let go first thing, the next kernel's programs wait
+    beside its running ones; session 41)."""
+    lines = kernel.asm["ptx"].splitlines()
+    if not any("griddepcontrol.wait" in line for line in lines):
+        return "no PDL wait"
+    trigger = next((i for i, line in enumerate(lines)
+                    if "griddepcontrol.launch_dependents" in line), None)
+    if trigger is None:
+        return "PDL: waits; the next kernel starts when it ends"
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*(\$L__\w+):", line))}
+    loop_ends = [i for i, line in enumerate(lines)
+                 if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line))
+                 and labels.get(m.group(1), i) < i]
+    if not loop_ends:
+        return "PDL: waits; lets the next start (no loop)"
+    where = "after its last loop" if trigger > loop_ends[-1] else \
+        "first thing" if trigger < min(labels[re.search(r"(\$L__\w+);", lines[i]).group(1)]
+                                       for i in loop_ends) else "inside a loop"
+    return f"PDL: waits; lets the next start {where}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capability", type=int, default=90, choices=sorted(SHARED_LIMIT),
                     help="compute capability to compile for (89: an L4 / L40 / RTX 4090)")
     ap.add_argument("--pdl", action="store_true",
-                    help="compile the kernels with PDL, as sm_90 and later launch them")
+                    help="compile the kernels with PDL, as sm_90 and later launch them, and say "
+                         "where each lets the next kernel start")
     ap.add_argument("--ptxas", action="store_true",
                     help="also each kernel's registers, spills and narrow copies (ptxas)")
     args = ap.parse_args()
@@ -283,8 +311,10 @@ def main() -> None:
                 raise RuntimeError(f"shared memory over the sm_{capability} limit of "
                                    f"{SHARED_LIMIT[capability]} bytes: {over}")
             print(f"ok      {name}")
-            for kernel_name, kernel in compiled if args.ptxas else ():
-                print(f"          {kernel_name}: {ptxas_report(kernel, capability)}")
+            for kernel_name, kernel in compiled if args.ptxas or args.pdl else ():
+                report = [ptxas_report(kernel, capability)] if args.ptxas else []
+                report += [pdl_report(kernel)] if args.pdl else []
+                print(f"          {kernel_name}: {'; '.join(report)}")
         except Exception as e:  # noqa: BLE001 - every compile error is reported, then the next
             failed += 1
             print(f"FAILED  {name}: {type(e).__name__}: {str(e)[:2000]}")
