@@ -269,14 +269,13 @@ def pdl_report(kernel) -> str:
         return "PDL: waits; the next kernel starts when it ends"
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"\s*(\$L__\w+):", line))}
-    loop_ends = [i for i, line in enumerate(lines)
-                 if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line))
-                 and labels.get(m.group(1), i) < i]
-    if not loop_ends:
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)  # (top, backward branch)
+             if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line))
+             and labels.get(m.group(1), i) < i]
+    if not loops:
         return "PDL: waits; lets the next start (no loop)"
-    where = "after its last loop" if trigger > loop_ends[-1] else \
-        "first thing" if trigger < min(labels[re.search(r"(\$L__\w+);", lines[i]).group(1)]
-                                       for i in loop_ends) else "inside a loop"
+    where = "after its last loop" if trigger > max(end for _, end in loops) else \
+        "first thing" if trigger < min(top for top, _ in loops) else "inside a loop"
     return f"PDL: waits; lets the next start {where}"
 
 
